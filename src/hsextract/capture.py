@@ -1,0 +1,146 @@
+"""Load the target model from a local directory and capture chosen layers with forward hooks.
+
+Only the layers up to the last captured one are loaded and run (no lm_head, no logits), unless the final
+normed state is asked for (`include_last`), which needs every layer. Batches are right-padded: the model
+is causal, so pad tokens after a sample never change its states, and no attention mask is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `config.json` says, read without loading weights (used to validate arguments early)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def read_model_info(model_dir: Path) -> ModelInfo:
+    config_path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise UsageError(f"--model {str(model_dir)!r}: no such directory")
+    if not config_path.is_file():
+        raise UsageError(f"--model {str(model_dir)!r}: no config.json in it (is this a model directory?)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{config_path}: not valid JSON ({exc})") from None
+    text = raw.get("text_config", raw)
+    try:
+        return ModelInfo(raw.get("model_type", "?"), int(text["num_hidden_layers"]),
+                         int(text["hidden_size"]), int(text["vocab_size"]))
+    except KeyError as exc:
+        raise UsageError(f"{config_path}: missing {exc.args[0]!r}") from None
+
+
+def _decoder_backbone(model: nn.Module) -> nn.Module:
+    """The module holding `embed_tokens`, `layers` and `norm` (the text model inside any wrapper)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "layers", None), nn.ModuleList) and hasattr(module, "embed_tokens"):
+            return module
+    raise UsageError(f"{type(model).__name__}: no decoder stack (module with embed_tokens and layers) found")
+
+
+class LayerCapture:
+    """A loaded model plus hooks that write the chosen layers' outputs for real tokens into one buffer."""
+
+    def __init__(self, model_dir: Path, layer_ids: list[int], include_last: bool, device: str, dtype: torch.dtype):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # the load report lists the layers we drop on purpose
+        hf_logging.disable_progress_bar()
+
+        self.info = read_model_info(model_dir)
+        self.layer_ids = layer_ids
+        self.include_last = include_last
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.hidden_size = self.info.hidden_size
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        keep = self.info.num_layers if include_last else max(layer_ids) + 1
+        _truncate_layers(config.get_text_config(), keep)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
+        )
+        missing = [k for k in loading["missing_keys"] if "lm_head" not in k]
+        if missing:
+            raise UsageError(
+                f"--model {str(model_dir)!r}: weights missing for {len(missing)} parameter(s), "
+                f"e.g. {missing[:3]} (incomplete download or a missing shard file?)"
+            )
+        self.backbone = _decoder_backbone(model).to(self.device).eval()
+        del model  # drops lm_head (unless tied to the embeddings)
+        self._out: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        for slot, layer_id in enumerate(layer_ids):
+            self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
+
+    @property
+    def width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    def _hook(self, slot: int):
+        lo, hi = slot * self.hidden_size, (slot + 1) * self.hidden_size
+
+        def capture(_module, _inputs, output):
+            hidden_BTH = output[0] if isinstance(output, tuple) else output
+            self._out[:, lo:hi] = hidden_BTH.reshape(-1, self.hidden_size).index_select(0, self._rows)
+
+        return capture
+
+    @torch.inference_mode()
+    def run(self, samples: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Forward one right-padded batch; returns states of real tokens only, concatenated in order."""
+        lengths = [len(s) for s in samples]
+        width_T = max(lengths)
+        ids_BT = torch.zeros(len(samples), width_T, dtype=torch.long)
+        for row, sample in enumerate(samples):
+            ids_BT[row, : len(sample)] = torch.tensor(sample, dtype=torch.long)
+        lengths_B = torch.tensor(lengths)
+        valid_BT = torch.arange(width_T)[None, :] < lengths_B[:, None]
+        rows_T = valid_BT.reshape(-1).nonzero().squeeze(1).to(self.device)
+        self._rows = rows_T
+        self._out = torch.empty(len(rows_T), self.width, dtype=self.dtype, device=self.device)
+        try:
+            result = self.backbone(input_ids=ids_BT.to(self.device), use_cache=False)
+            out = {"hidden_states": self._out}
+            if self.include_last:
+                last_BTH = result.last_hidden_state
+                out["last_hidden_state"] = last_BTH.reshape(-1, self.hidden_size).index_select(0, rows_T)
+            return out
+        finally:
+            self._out = self._rows = None
+
+
+def _truncate_layers(text_config, keep: int) -> None:
+    text_config.num_hidden_layers = keep
+    layer_types = getattr(text_config, "layer_types", None)
+    if isinstance(layer_types, list):
+        text_config.layer_types = layer_types[:keep]
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this host")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]

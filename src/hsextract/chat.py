@@ -1,0 +1,128 @@
+"""Turn records into token ids and a loss mask with the model's own tokenizer and chat template.
+
+Loss mask = assistant tokens. Templates with `{% generation %}` markers give the mask directly; for the
+others (Qwen's own templates have none) each assistant message's content is located in the rendered text,
+together with the special token that closes the turn right after it, and tokens overlapping those
+character spans are supervised.
+
+Over-long policy (`--max-length L`): `truncate` (default) keeps the first L tokens, `skip` records the
+sample as skipped with reason `too_long`. A truncated sample is still skipped when what is left cannot
+train a drafter (fewer than 2 consecutive supervised tokens).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .records import Record
+
+OVERLONG_POLICIES = ("truncate", "skip")
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    id: str
+    reason: str
+    detail: str = ""
+
+
+class ChatEncoder:
+    """Encodes records for one tokenizer; `encode` never raises for a bad sample, it returns `Rejected`."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_length: int | None = None, overlong: str = "truncate"):
+        if overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"overlong policy must be one of {OVERLONG_POLICIES}, got {overlong!r}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_length = max_length
+        self.overlong = overlong
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.has_generation_markers = bool(re.search(r"\{%-?\s*generation\s*-?%\}", template))
+        self._turn_closers = sorted(
+            (t for t in tokenizer.all_special_tokens if t), key=len, reverse=True
+        )
+
+    def encode(self, record: Record) -> Tokenized | Rejected:
+        if record.input_ids is not None:
+            ids, mask = record.input_ids, record.loss_mask
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                return Rejected(record.id, "invalid_token_id", f"token ids must be in [0, {self.vocab_size})")
+        else:
+            try:
+                ids, mask = self._encode_chat(record.messages)
+            except Exception as exc:  # a template that raises on one conversation must not kill the shard
+                return Rejected(record.id, "template_error", f"{type(exc).__name__}: {exc}"[:300])
+        return self._check(record.id, list(ids), list(mask))
+
+    def _check(self, sample_id: str, ids: list[int], mask: list[int]) -> Tokenized | Rejected:
+        if not ids:
+            return Rejected(sample_id, "empty", "no tokens")
+        if self.max_length is not None and len(ids) > self.max_length:
+            if self.overlong == "skip":
+                return Rejected(sample_id, "too_long", f"{len(ids)} tokens > --max-length {self.max_length}")
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if not any(mask):
+            return Rejected(sample_id, "no_assistant_tokens", "no supervised (assistant) token")
+        if longest_run(mask) < 2:
+            return Rejected(sample_id, "too_few_supervised", "fewer than 2 consecutive supervised tokens")
+        return Tokenized(sample_id, ids, mask)
+
+    def _encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        if not any(m["role"] == "assistant" for m in messages):
+            return self._render_ids(messages), []
+        if self.has_generation_markers:
+            out = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids = list(out["input_ids"])
+            return ids, [int(bool(m)) for m in out["assistant_masks"]]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        spans = self._assistant_spans(text, messages)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(s < end and begin < e for s, e in spans)) for begin, end in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+
+    def _render_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _assistant_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
+        """Character spans of each assistant message's content plus the special token closing its turn."""
+        spans, cursor = [], 0
+        for message in messages:
+            content = message["content"].strip()
+            if not content:
+                continue
+            found = text.find(content, cursor)
+            if found < 0:
+                continue
+            end = found + len(content)
+            cursor = end
+            if message["role"] != "assistant":
+                continue
+            rest = text[end:]
+            gap = len(rest) - len(rest.lstrip(" \t"))
+            closer = next((t for t in self._turn_closers if rest[gap:].startswith(t)), None)
+            if closer is not None:
+                end += gap + len(closer)
+            spans.append((found, end))
+        return spans
+
+
+def longest_run(mask: list[int]) -> int:
+    best = run = 0
+    for m in mask:
+        run = run + 1 if m else 0
+        best = max(best, run)
+    return best

@@ -1,0 +1,78 @@
+"""`hsextract` command line (the CLI contract). Prints `STARTED` before importing anything heavy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hsextract", description="Extract hidden states for drafter training.")
+    parser.add_argument("--version", action="version", version=f"hsextract {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ex = sub.add_parser("extract", help="run one shard of an extraction")
+    ex.add_argument("--model", required=True, type=Path, help="local model directory (config, weights, tokenizer)")
+    ex.add_argument("--data", required=True, type=Path, help="JSONL dataset")
+    ex.add_argument("--out", required=True, help="output directory or file:// URI")
+    ex.add_argument("--layers", required=True, help="dflash:N, eagle3, or a list like 1,16,31")
+    ex.add_argument("--shard", required=True, type=int)
+    ex.add_argument("--num-shards", required=True, type=int)
+    ex.add_argument("--max-length", type=int, default=None, help="longest sample in tokens (see --overlong)")
+    ex.add_argument("--overlong", choices=("truncate", "skip"), default="truncate",
+                    help="samples over --max-length: keep the first tokens (default) or skip them")
+    ex.add_argument("--token-budget", type=int, default=8192, help="padded tokens per batch (one file per batch)")
+    ex.add_argument("--sort-window", type=int, default=1024, help="samples sorted by length together")
+    ex.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available)")
+    ex.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
+    ex.add_argument("--include-last", action="store_true", help="also store the final normed hidden state")
+    ex.add_argument("--status-dir", type=Path, default=None, help="heartbeat/exit files (default: shard dir)")
+    ex.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats")
+    ex.add_argument("--log-interval", type=float, default=30.0, help="seconds between log lines (no terminal)")
+    ex.add_argument("--progress", choices=("auto", "bar", "log"), default="auto")
+
+    demo = sub.add_parser("demo", help="build a tiny model and dataset here, extract them, read them back")
+    demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
+    demo.add_argument("--samples", type=int, default=200)
+    demo.add_argument("--num-shards", type=int, default=2)
+    return parser
+
+
+def out_path(text: str) -> Path | None:
+    """A local output directory from a path or file:// URI; None for schemes this worker cannot write."""
+    if text.startswith("file://"):
+        return Path(text.removeprefix("file://"))
+    return None if "://" in text else Path(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "extract":
+        from .liveness import announce_start
+
+        announce_start(args.shard, args.num_shards, __version__)
+        from .config import ExtractConfig
+        from .extract import run_shard  # imports torch: after the STARTED line on purpose
+
+        out = out_path(args.out)
+        if out is None:
+            print(f"hsextract: --out {args.out!r}: only local paths and file:// are supported", file=sys.stderr)
+            return 2
+        cfg = ExtractConfig(
+            model=args.model, data=args.data, out=out, layers=args.layers, shard=args.shard,
+            num_shards=args.num_shards, max_length=args.max_length, overlong=args.overlong,
+            token_budget=args.token_budget, sort_window=args.sort_window, device=args.device, dtype=args.dtype,
+            include_last=args.include_last, status_dir=args.status_dir,
+            heartbeat_interval=args.heartbeat_interval, log_interval=args.log_interval, progress=args.progress,
+        )
+        return run_shard(cfg)
+    from .demo import run_demo
+
+    return run_demo(args.workdir, args.samples, args.num_shards)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

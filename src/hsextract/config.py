@@ -1,0 +1,72 @@
+"""The worker's configuration, validated at the edge: every problem is a `UsageError` naming it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .chat import OVERLONG_POLICIES
+from .errors import UsageError
+from .journal import shard_dir_name
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass
+class ExtractConfig:
+    model: Path
+    data: Path
+    out: Path
+    layers: str
+    shard: int
+    num_shards: int
+    max_length: int | None = None
+    overlong: str = "truncate"
+    token_budget: int = 8192
+    sort_window: int = 1024
+    device: str = "auto"
+    dtype: str = "auto"
+    include_last: bool = False
+    status_dir: Path | None = None
+    heartbeat_interval: float = 2.0
+    log_interval: float = 30.0
+    progress: str = "auto"  # auto | bar | log
+
+    @property
+    def shard_dir(self) -> Path:
+        return self.out / shard_dir_name(self.shard, self.num_shards)
+
+    @property
+    def status_path(self) -> Path:
+        return self.status_dir or self.shard_dir
+
+    def check_arguments(self) -> None:
+        """Checks that need nothing but the arguments (cheap; run before the STARTED line's follow-ups)."""
+        if self.num_shards < 1:
+            raise UsageError(f"--num-shards {self.num_shards}: must be at least 1")
+        if not 0 <= self.shard < self.num_shards:
+            raise UsageError(f"--shard {self.shard}: must be in 0..{self.num_shards - 1} for --num-shards {self.num_shards}")
+        for name, value in (("--token-budget", self.token_budget), ("--sort-window", self.sort_window)):
+            if value < 1:
+                raise UsageError(f"{name} {value}: must be a positive integer")
+        if self.max_length is not None and self.max_length < 2:
+            raise UsageError(f"--max-length {self.max_length}: must be at least 2")
+        if self.overlong not in OVERLONG_POLICIES:
+            raise UsageError(f"--overlong {self.overlong!r}: choose one of {OVERLONG_POLICIES}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r}: choose one of {DTYPES}")
+        if not self.data.is_file():
+            raise UsageError(f"--data {str(self.data)!r}: no such file")
+
+    def prepare_dirs(self) -> None:
+        """Create the shard and status directories and prove they are writable."""
+        for label, path in (("--out", self.shard_dir), ("--status-dir", self.status_path)):
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+                    pass
+            except OSError as exc:
+                raise UsageError(f"{label} {str(path)!r}: not writable ({exc.strerror or exc})") from None
+        os.chmod(self.shard_dir, 0o750)

@@ -1,0 +1,313 @@
+"""One shard's extraction: assigned samples -> packed batches -> captured states -> journaled files."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .batchfile import write_batch
+from .batching import pack, padded_tokens
+from .capture import LayerCapture, read_model_info, resolve_device, resolve_dtype
+from .chat import ChatEncoder, Rejected, Tokenized
+from .config import ExtractConfig
+from .errors import Interrupted, ShardIncomplete, UsageError
+from .journal import Journal, read_entries, scan_output
+from .layers import parse_layer_spec
+from .liveness import Heartbeat, Progress, write_json_atomic
+from .records import Bad, Record, iter_records
+from .sharding import shard_of
+from .status import ProgressReporter
+
+# Fault injection for tests: raise CUDA-style OOM for any batch padded above this many tokens.
+OOM_ABOVE_ENV = "HSEXTRACT_FAULT_OOM_ABOVE_TOKENS"
+
+
+class ShardRun:
+    """Runs one shard to completion; `run()` returns the summary or raises (the journal stays valid)."""
+
+    def __init__(self, cfg: ExtractConfig, progress: Progress):
+        self.cfg = cfg
+        self.progress = progress
+        self.skips: Counter[str] = Counter()
+        self.stop_signal: str | None = None
+        self.journal: Journal | None = None
+        self.started = time.time()
+        self.counting = threading.Lock()  # progress is updated by the main and the writer thread
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def validate(self) -> list[int]:
+        self.cfg.check_arguments()
+        info = read_model_info(self.cfg.model)
+        layer_ids = parse_layer_spec(self.cfg.layers, info.num_layers)
+        self.cfg.prepare_dirs()
+        return layer_ids
+
+    def lock(self) -> None:
+        self._lock_fd = os.open(self.cfg.shard_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "another process"
+            raise UsageError(f"shard {self.cfg.shard}/{self.cfg.num_shards}: {self.cfg.shard_dir} is "
+                             f"already being written by pid {holder}") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
+
+    def clean_shard_dir(self) -> None:
+        """Drop temp files and batch files the journal does not name (a kill between rename and journal)."""
+        journaled = {e["file"] for e in read_entries(self.cfg.shard_dir / "journal.jsonl") if e.get("kind") == "file"}
+        for path in self.cfg.shard_dir.iterdir():
+            if path.name.endswith(".tmp") or (path.suffix == ".safetensors" and path.name not in journaled):
+                path.unlink()
+        self.next_seq = 1 + max((int(name[6:12]) for name in journaled), default=0)
+
+    # -- the run --------------------------------------------------------------------------------------
+    def run(self, layer_ids: list[int]) -> dict:
+        cfg = self.cfg
+        self.lock()
+        self.clean_shard_dir()
+        self.journal = Journal(cfg.shard_dir)
+        self.progress.phase = "reading_data"
+        pending = self.pending_records()
+        self.progress.phase = "loading_model"
+        device = resolve_device(cfg.device)
+        capture = LayerCapture(cfg.model, layer_ids, cfg.include_last, device, resolve_dtype(cfg.dtype, device))
+        encoder = ChatEncoder(load_tokenizer(cfg.model), capture.info.vocab_size, cfg.max_length, cfg.overlong)
+        self.metadata = {
+            "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": cfg.model.name,
+            "hidden_size": str(capture.hidden_size), "num_model_layers": str(capture.info.num_layers),
+            "dtype": str(capture.dtype).removeprefix("torch."), "hsextract_version": __version__,
+        }
+        self.progress.phase = "extracting"
+        self.progress.extract_started_at = time.time()
+        writer = BatchWriter(self)
+        try:
+            for batch in pack(self.encoded(encoder, pending), cfg.token_budget, cfg.sort_window):
+                if self.stop_signal:
+                    break
+                for part, states in self.forward(capture, batch):
+                    writer.put(part, states)
+        finally:
+            writer.close()
+        if self.stop_signal:
+            raise Interrupted(self.stop_signal)
+        return self.finish()
+
+    def pending_records(self) -> list[Record | Bad]:
+        """This shard's records not yet written or skipped by any run; records duplicates as skipped."""
+        state = scan_output(self.cfg.out)
+        seen: set[str] = set()
+        pending: list[Record | Bad] = []
+        for item in iter_records(self.cfg.data):
+            if shard_of(item.id, self.cfg.num_shards) != self.cfg.shard:
+                continue
+            if item.id in seen:
+                if (item.id, item.line) not in state.duplicates:
+                    self.skip(item.id, "duplicate_id", "the same id appears earlier in the file", item.line)
+                continue
+            seen.add(item.id)
+            if state.finished(item.id):
+                self.progress.samples_done += 1
+            else:
+                pending.append(item)
+        self.assigned = seen
+        self.progress.samples_total = len(seen)
+        return pending
+
+    def encoded(self, encoder: ChatEncoder, pending: list[Record | Bad]) -> Iterator[Tokenized]:
+        for item in pending:
+            result = Rejected(item.id, item.reason, item.detail) if isinstance(item, Bad) else encoder.encode(item)
+            if isinstance(result, Rejected):
+                self.skip(result.id, result.reason, result.detail, item.line, counts_as_done=True)
+            else:
+                yield result
+
+    def forward(self, capture: LayerCapture, batch: list[Tokenized]) -> list[tuple[list[Tokenized], dict]]:
+        """Run a batch; on out-of-memory split it in halves, and skip a single sample that still fails."""
+        try:
+            limit = os.environ.get(OOM_ABOVE_ENV)
+            if limit is not None and padded_tokens(batch) > int(limit):
+                raise torch.OutOfMemoryError(f"injected by {OOM_ABOVE_ENV}={limit}")
+            states = capture.run([s.input_ids for s in batch])
+        except torch.OutOfMemoryError as exc:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if len(batch) == 1:
+                self.skip(batch[0].id, "oom", f"{len(batch[0])} tokens alone: {exc}"[:300], counts_as_done=True)
+                return []
+            mid = len(batch) // 2
+            return self.forward(capture, batch[:mid]) + self.forward(capture, batch[mid:])
+        self.progress.forward_passes += 1
+        return [self.drop_nonfinite(batch, states)]
+
+    def drop_nonfinite(self, batch: list[Tokenized], states: dict) -> tuple[list[Tokenized], dict]:
+        lengths = torch.tensor([len(s) for s in batch], device=states["hidden_states"].device)
+        sample_of_T = torch.repeat_interleave(torch.arange(len(batch), device=lengths.device), lengths)
+        bad_T = torch.zeros(len(batch), device=lengths.device)
+        for tensor in states.values():
+            bad_T.index_add_(0, sample_of_T, (~torch.isfinite(tensor)).any(dim=1).float())
+        bad = bad_T.tolist()
+        if not any(bad):
+            return batch, states
+        keep = [i for i, b in enumerate(bad) if not b]
+        for i, b in enumerate(bad):
+            if b:
+                self.skip(batch[i].id, "nonfinite_states", "NaN or Inf in captured hidden states", counts_as_done=True)
+        rows = torch.isin(sample_of_T, torch.tensor(keep, device=lengths.device, dtype=torch.long))
+        return [batch[i] for i in keep], {k: v[rows] for k, v in states.items()}
+
+    def skip(self, sample_id: str, reason: str, detail: str, line: int | None = None, counts_as_done=False) -> None:
+        self.journal.append({"kind": "skip", "id": sample_id, "reason": reason, "detail": detail, "line": line})
+        self.skips[reason] += 1
+        with self.counting:
+            self.progress.samples_skipped += 1
+            self.progress.samples_done += int(counts_as_done)
+
+    def commit_file(self, batch: list[Tokenized], states: dict) -> None:
+        """Write one batch file durably, then journal it (called on the writer thread, in order)."""
+        name = f"batch-{self.next_seq:06d}.safetensors"
+        self.next_seq += 1
+        lengths = [len(s) for s in batch]
+        tensors = {
+            **states,
+            "input_ids": torch.tensor([t for s in batch for t in s.input_ids], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for s in batch for m in s.loss_mask], dtype=torch.uint8),
+            "cu_seqlens": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+        }
+        ids = [s.id for s in batch]
+        written = write_batch(self.cfg.shard_dir / name, tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
+        self.journal.append({"kind": "file", "file": name, "ids": ids, "tokens": sum(lengths),
+                             "bytes": written.bytes, "sha256": written.sha256}, durable=True)
+        p = self.progress
+        with self.counting:
+            p.samples_done += len(batch)
+            p.samples_written += len(batch)
+            p.tokens_done += sum(lengths)
+            p.files += 1
+            p.bytes += written.bytes
+            p.last_batch = name
+
+    def finish(self) -> dict:
+        state = scan_output(self.cfg.out)
+        missing = [i for i in self.assigned if not state.finished(i)]
+        if missing:
+            raise ShardIncomplete(f"shard {self.cfg.shard}/{self.cfg.num_shards}: {len(missing)} sample(s) "
+                                  f"neither written nor skipped, e.g. {sorted(missing)[:5]}")
+        summary = self.summary()
+        self.journal.append({"kind": "done", "summary": summary}, durable=True)
+        write_json_atomic(self.cfg.shard_dir / "summary.json", summary)
+        return summary
+
+    def summary(self) -> dict:
+        p = self.progress
+        seconds = time.time() - self.started
+        extract_s = time.time() - (p.extract_started_at or time.time())
+        return {
+            "shard": p.shard, "num_shards": p.num_shards, "samples_total": p.samples_total,
+            "samples_done": p.samples_done, "samples_written": p.samples_written,
+            "skipped": dict(self.skips), "tokens": p.tokens_done, "files": p.files, "bytes": p.bytes,
+            "forward_passes": p.forward_passes, "seconds": round(seconds, 3),
+            "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
+        }
+
+
+class BatchWriter:
+    """One background thread serializing and writing files while the next batch runs on the device."""
+
+    def __init__(self, shard: ShardRun, depth: int = 2):
+        self.shard = shard
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hsextract-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, batch: list[Tokenized], states: dict) -> None:
+        if self.error:
+            raise self.error
+        if batch:
+            self.queue.put((batch, {k: v.to("cpu") for k, v in states.items()}))
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.shard.commit_file(*item)
+                except BaseException as exc:  # surfaced on the main thread at the next put/close
+                    self.error = exc
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error:
+            raise self.error
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {str(model_dir)!r}: cannot load its tokenizer ({exc})") from None
+
+
+def install_signal_handlers(shard: ShardRun) -> None:
+    """SIGTERM/SIGINT: during extraction stop after the file in flight; before it, stop at once."""
+
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        shard.stop_signal = name
+        if shard.progress.phase != "extracting":
+            raise Interrupted(name)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def run_shard(cfg: ExtractConfig) -> int:
+    """The body of `hsextract extract` after the STARTED line: returns the process exit code."""
+    progress = Progress(cfg.shard, cfg.num_shards, __version__)
+    shard = ShardRun(cfg, progress)
+    install_signal_handlers(shard)
+    heartbeat = Heartbeat(cfg.status_path, progress, cfg.heartbeat_interval)
+    reporter = ProgressReporter(progress, cfg.progress, cfg.log_interval)
+    code, reason = 1, "unknown"
+    try:
+        layer_ids = shard.validate()
+        heartbeat.start()
+        reporter.start()
+        summary = shard.run(layer_ids)
+        code, reason = 0, "complete"
+        reporter.close()
+        print("SUMMARY " + json.dumps(summary), flush=True)
+    except UsageError as exc:
+        code, reason = 2, f"usage: {exc}"
+    except Interrupted as exc:
+        code, reason = 128 + signal.Signals[exc.signame].value, str(exc)
+    except ShardIncomplete as exc:
+        code, reason = 3, str(exc)
+    except Exception as exc:
+        code, reason = 1, f"{type(exc).__name__}: {exc}"
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        reporter.close()
+        if shard.journal is not None:
+            shard.journal.close()
+        heartbeat.finish(code, reason)
+    if code != 0:
+        print(f"hsextract: shard {cfg.shard}/{cfg.num_shards} failed: {reason}", file=sys.stderr, flush=True)
+    return code

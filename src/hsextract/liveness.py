@@ -1,0 +1,110 @@
+"""The liveness contract: `STARTED` line, heartbeat file kept fresh, exit status left on exit.
+
+Files in the status directory (default: the shard's directory under a local output):
+  heartbeat.json  {"time", "pid", "shard", "num_shards", "phase", "samples_done", "samples_total",
+                   "samples_skipped", "tokens_done", "tokens_per_s", "files", "bytes", "last_batch", ...}
+  exit.json       {"time", "pid", "code", "reason"}
+Both are replaced atomically (temp file + rename), so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HEARTBEAT_NAME = "heartbeat.json"
+EXIT_NAME = "exit.json"
+
+
+def announce_start(shard: int, num_shards: int, version: str) -> None:
+    """Print the `STARTED` line and flush: the first proof of life, before anything heavy is imported."""
+    print(f"STARTED shard={shard}/{num_shards} pid={os.getpid()} version={version}", flush=True)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, separators=(",", ":"))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Progress:
+    """Counters the worker updates and the heartbeat publishes (plain ints: updates are atomic enough)."""
+
+    shard: int
+    num_shards: int
+    version: str
+    phase: str = "starting"
+    samples_total: int = 0
+    samples_done: int = 0
+    samples_skipped: int = 0
+    samples_written: int = 0  # by this process (samples_done also counts what earlier runs finished)
+    tokens_done: int = 0
+    files: int = 0
+    bytes: int = 0
+    forward_passes: int = 0
+    last_batch: str | None = None
+    started_at: float = field(default_factory=time.time)
+    extract_started_at: float | None = None
+
+    def tokens_per_s(self) -> float:
+        if self.extract_started_at is None:
+            return 0.0
+        elapsed = time.time() - self.extract_started_at
+        return self.tokens_done / elapsed if elapsed > 0 else 0.0
+
+    def snapshot(self) -> dict:
+        data = asdict(self)
+        data.update(time=round(time.time(), 3), pid=os.getpid(), tokens_per_s=round(self.tokens_per_s(), 1))
+        return data
+
+
+class Heartbeat:
+    """Background thread rewriting heartbeat.json every `interval_s` until stopped."""
+
+    def __init__(self, status_dir: Path, progress: Progress, interval_s: float = 2.0):
+        self.path = status_dir / HEARTBEAT_NAME
+        self.exit_path = status_dir / EXIT_NAME
+        self.progress = progress
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hsextract-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.exit_path.unlink(missing_ok=True)  # a previous run's status must not be read as ours
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        try:
+            write_json_atomic(self.path, self.progress.snapshot())
+        except OSError as exc:  # a full disk must not kill extraction; the stale heartbeat will say it
+            print(f"hsextract: heartbeat write failed: {exc}", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat()
+
+    def finish(self, code: int, reason: str) -> None:
+        """Stop beating, write a last heartbeat and the exit status (if the status directory exists)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval_s + 1)
+        if not self.path.parent.is_dir():
+            return  # arguments failed before it could be made: stderr and the exit code carry the reason
+        self.progress.phase = "done" if code == 0 else "failed"
+        self.beat()
+        status = {"time": round(time.time(), 3), "pid": os.getpid(), "code": code, "reason": reason}
+        try:
+            write_json_atomic(self.exit_path, status)
+        except OSError as exc:
+            print(f"hsextract: cannot write {self.exit_path}: {exc}", file=sys.stderr, flush=True)

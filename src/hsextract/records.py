@@ -1,0 +1,123 @@
+"""Dataset records: JSONL lines -> chat or pre-tokenized samples with stable ids (no torch here)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+
+# ShareGPT speaker names and the chat-template roles they stand for.
+ROLE_ALIASES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
+}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One dataset line that parsed: either `messages` (chat) or `input_ids`/`loss_mask` (pre-tokenized)."""
+
+    id: str
+    line: int
+    messages: list[dict] | None = None
+    input_ids: list[int] | None = None
+    loss_mask: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A line that cannot become a sample; it is recorded as skipped under `id` with `reason`."""
+
+    id: str
+    line: int
+    reason: str
+    detail: str = field(default="")
+
+
+def content_id(obj: object) -> str:
+    """Stable id of a record without `id`: hash of its canonical JSON."""
+    canonical = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "sha256-" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
+
+
+def malformed_id(line: int) -> str:
+    return f"line-{line}"
+
+
+def iter_records(path: str | Path) -> Iterator[Record | Bad]:
+    """Yield every line of a JSONL dataset as a `Record` or a `Bad`, in file order (1-based lines)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--data {str(path)!r}: no such file")
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            yield parse_line(raw, line_no)
+
+
+def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return Bad(malformed_id(line_no), line_no, "malformed_json", str(exc)[:200])
+    if not isinstance(obj, dict):
+        return Bad(malformed_id(line_no), line_no, "invalid_record", f"a JSON {type(obj).__name__}, not an object")
+    raw_id = obj.get("id")
+    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
+        sample_id = str(raw_id)
+    else:
+        sample_id = content_id(obj)
+    try:
+        return _to_record(obj, sample_id, line_no)
+    except _Invalid as exc:
+        return Bad(sample_id, line_no, exc.reason, exc.detail)
+
+
+class _Invalid(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _to_record(obj: dict, sample_id: str, line_no: int) -> Record:
+    if "input_ids" in obj:
+        ids, mask = obj["input_ids"], obj.get("loss_mask")
+        if not _int_list(ids):
+            raise _Invalid("invalid_record", "input_ids must be a list of integers")
+        if mask is None or not _int_list(mask) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+            raise _Invalid("invalid_record", "loss_mask must be a list of 0/1 the length of input_ids")
+        return Record(sample_id, line_no, input_ids=list(ids), loss_mask=list(mask))
+    turns = obj.get("messages", obj.get("conversations"))
+    if turns is None:
+        raise _Invalid("invalid_record", "no 'messages', 'conversations' or 'input_ids' field")
+    if not isinstance(turns, list):
+        raise _Invalid("invalid_record", "'messages'/'conversations' must be a list")
+    if not turns:
+        raise _Invalid("no_messages", "empty conversation")
+    return Record(sample_id, line_no, messages=[_message(turn, n) for n, turn in enumerate(turns)])
+
+
+def _message(turn: object, index: int) -> dict:
+    if not isinstance(turn, dict):
+        raise _Invalid("invalid_record", f"message {index} is not an object")
+    speaker = turn.get("role", turn.get("from"))
+    role = ROLE_ALIASES.get(str(speaker).lower()) if speaker is not None else None
+    if role is None:
+        raise _Invalid("invalid_record", f"message {index} has unknown role {speaker!r}")
+    content = turn.get("content", turn.get("value"))
+    if isinstance(content, list):  # OpenAI-style content parts
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if not isinstance(content, str):
+        raise _Invalid("invalid_record", f"message {index} has no text content")
+    return {"role": role, "content": content}
+
+
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
