@@ -72,9 +72,12 @@ class LayerCapture:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         keep = self.info.num_layers if include_last else max(layer_ids) + 1
         _truncate_layers(config.get_text_config(), keep)
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
-        )
+        try:
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
+            )
+        except OSError as exc:  # no weights, or a shard file named by the index is missing
+            raise UsageError(f"--model {str(model_dir)!r}: cannot load weights: {exc}") from None
         missing = [k for k in loading["missing_keys"] if "lm_head" not in k]
         if missing:
             raise UsageError(

@@ -1,0 +1,122 @@
+"""The CLI and liveness contracts: STARTED first, heartbeats, exit status, clear errors, one writer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hsextract
+from hsextract.liveness import EXIT_NAME, HEARTBEAT_NAME
+
+from helpers import extract_cmd, run_extract
+
+
+def test_version():
+    proc = subprocess.run([sys.executable, "-m", "hsextract", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"hsextract {hsextract.__version__}"
+
+
+def test_started_first_then_heartbeats_then_exit_status(tiny_model, dataset, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(extract_cmd(tiny_model, dataset, out, 0, 1, "--token-budget", "256"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    first = proc.stdout.readline()
+    assert first.startswith(f"STARTED shard=0/1 pid={proc.pid} version={hsextract.__version__}")
+    beat_path = out / "shard-00000-of-00001" / HEARTBEAT_NAME
+    seen = []
+    while proc.poll() is None:
+        if beat_path.exists():
+            beat = json.loads(beat_path.read_text())
+            if not seen or beat["time"] != seen[-1]["time"]:
+                seen.append(beat)
+        time.sleep(0.05)
+    proc.communicate()
+    assert proc.returncode == 0
+    phases = [b["phase"] for b in seen]
+    assert "extracting" in phases and phases[-1] == "done"
+    assert len(seen) >= 3, "heartbeat refreshed while running"
+    assert {"time", "pid", "phase", "samples_done", "samples_total", "tokens_per_s", "last_batch"} <= set(seen[-1])
+    assert seen[-1]["samples_done"] == seen[-1]["samples_total"] == 120
+    status = json.loads((out / "shard-00000-of-00001" / EXIT_NAME).read_text())
+    assert status["code"] == 0 and status["pid"] == proc.pid
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model="/nonexistent/model"), "--model '/nonexistent/model': no such directory"),
+    (dict(layers="1,8"), "layer id(s) [8] out of range for a model with 8 layers"),
+    (dict(layers="dflash:zero"), "dflash:N needs a positive integer"),
+    (dict(shard=2, num_shards=2), "--shard 2: must be in 0..1"),
+    (dict(data="/nonexistent.jsonl"), "--data '/nonexistent.jsonl': no such file"),
+    (dict(out="FILE/sub"), "not writable"),
+    (dict(out="s3://bucket/prefix"), "only local paths and file:// are supported"),
+])
+def test_bad_arguments_fail_at_once_naming_the_problem(tiny_model, dataset, tmp_path, change, message):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = dict(model=tiny_model, data=dataset, out=tmp_path / "out", shard=0, num_shards=1, layers="1,3")
+    args.update(change)
+    if args["out"] == "FILE/sub":
+        args["out"] = blocker / "sub"
+    cmd = extract_cmd(args["model"], args["data"], args["out"], args["shard"], args["num_shards"],
+                      layers=args["layers"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.startswith("STARTED")
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_weights_named(tiny_model, dataset, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    tensors = load_file(broken / "model.safetensors")
+    dropped = next(k for k in tensors if "layers.2." in k)
+    del tensors[dropped]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    proc = run_extract(broken, dataset, tmp_path / "out", 0, 1, layers="1,3")
+    assert proc.returncode == 2 and "weights missing" in proc.stderr and "layers.2." in proc.stderr
+    (broken / "model.safetensors").unlink()
+    proc = run_extract(broken, dataset, tmp_path / "out", 0, 1, layers="1,3")
+    assert proc.returncode == 2 and str(broken) in proc.stderr, proc.stderr
+
+
+def test_second_writer_of_a_shard_is_refused(tiny_model, dataset, tmp_path):
+    out = tmp_path / "out"
+    first = subprocess.Popen(extract_cmd(tiny_model, dataset, out, 0, 1, "--token-budget", "128"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    beat = out / "shard-00000-of-00001" / HEARTBEAT_NAME
+    while not beat.exists():
+        assert first.poll() is None
+        time.sleep(0.02)
+    second = run_extract(tiny_model, dataset, out, 0, 1)
+    first.communicate(timeout=120)
+    assert first.returncode == 0
+    assert second.returncode == 2
+    assert f"already being written by pid {first.pid}" in second.stderr
+
+
+def test_dataset_and_iterator_agree(tiny_model, dataset, tmp_path):
+    out = tmp_path / "out"
+    assert run_extract(tiny_model, dataset, out, 0, 2).returncode == 0
+    assert run_extract(tiny_model, dataset, out, 1, 2).returncode == 0
+    records = list(hsextract.read_samples(out, verify=True))
+    ds = hsextract.HiddenStatesDataset(f"file://{out}")
+    assert len(ds) == len(records) == 120
+    for n in (0, 57, 119):
+        a, b = ds[n], records[n]
+        assert a["id"] == b["id"] and torch.equal(a["hidden_states"], b["hidden_states"])
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    # a corrupted file is caught by verify
+    victim = next(out.glob("shard-00001-of-00002/batch-*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        list(hsextract.read_samples(out, verify=True))

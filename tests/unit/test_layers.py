@@ -1,0 +1,83 @@
+"""Layer-id contract: DFlash / EAGLE-3 presets and `--layers` SPEC parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsextract.errors import UsageError
+from hsextract.layers import dflash_layer_ids, eagle3_layer_ids, parse_layer_spec
+
+
+def test_dflash_five_draft_layers_on_64():
+    assert dflash_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+
+
+def test_dflash_spans_layer_1_to_l_minus_3():
+    ids = dflash_layer_ids(36, 4)
+    assert ids[0] == 1 and ids[-1] == 33
+    assert ids == sorted(set(ids))
+
+
+def test_dflash_single_draft_layer_is_the_middle():
+    assert dflash_layer_ids(64, 1) == [32]
+    assert dflash_layer_ids(8, 1) == [4]
+
+
+def test_eagle3_low_mid_high():
+    assert eagle3_layer_ids(64) == [1, 31, 60]
+    assert eagle3_layer_ids(32) == [1, 15, 28]
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("dflash:5", [1, 16, 31, 46, 61]),
+        ("dflash:1", [32]),
+        ("eagle3", [1, 31, 60]),
+        ("1,16,31", [1, 16, 31]),
+        ("0,63", [0, 63]),
+        (" 31,1 ", [31, 1]),  # surrounding blanks tolerated, order kept as given
+    ],
+)
+def test_parse_layer_spec_valid(spec, expected):
+    assert parse_layer_spec(spec, 64) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, must_mention",
+    [
+        ("dflash:0", ["'dflash:0'"]),
+        ("dflash:x", ["'dflash:x'"]),
+        ("dflash:-2", ["'dflash:-2'"]),
+        ("dflash:", ["'dflash:'"]),
+        ("1,a", ["'1,a'"]),
+        ("", ["''"]),
+        ("1,1", ["'1,1'", "repeat"]),
+        ("1,64", ["'1,64'", "[64]"]),
+        ("3,100,200", ["'3,100,200'", "[100, 200]"]),
+        ("-1,3", ["'-1,3'", "[-1]"]),
+        ("dflash:64", ["'dflash:64'", "repeat"]),  # more draft layers than distinct ids
+    ],
+)
+def test_parse_layer_spec_rejects_bad_specs_naming_them(spec, must_mention):
+    with pytest.raises(UsageError) as info:
+        parse_layer_spec(spec, 64)
+    message = str(info.value)
+    for fragment in must_mention:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_parse_layer_spec_range_depends_on_model_depth():
+    assert parse_layer_spec("6", 8) == [6]
+    with pytest.raises(UsageError, match=r"\[8\]"):
+        parse_layer_spec("8", 8)
+
+
+@pytest.mark.xfail(
+    reason="BUG: parse_layer_spec('dflash:\u00b2') passes str.isdigit() (a Unicode digit) and then int() "
+    "raises a bare ValueError instead of UsageError",
+    strict=True,
+)
+def test_parse_layer_spec_unicode_digit_count_is_a_usage_error():
+    with pytest.raises(UsageError):
+        parse_layer_spec("dflash:\u00b2", 64)
