@@ -19,10 +19,13 @@ def pack(samples: Iterable[S], token_budget: int, window: int = 1024) -> Iterato
     first; the window's last, partly filled batch is carried into the next window instead of being cut.
     """
     buffer: list[S] = []
+    fresh = 0  # samples added since the last packing (the carried batch does not count)
     for sample in samples:
         buffer.append(sample)
-        if len(buffer) >= window:
-            *full, buffer = list(_pack_sorted(buffer, token_budget)) or [[]]
+        fresh += 1
+        if fresh >= window:
+            *full, buffer = list(_pack_sorted(buffer, token_budget))
+            fresh = 0
             yield from full
     if buffer:
         yield from _pack_sorted(buffer, token_budget)

@@ -98,26 +98,36 @@ class ChatEncoder:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _assistant_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
-        """Character spans of each assistant message's content plus the special token closing its turn."""
+        """Character spans of each assistant message's content plus the special token closing its turn.
+
+        Messages are located in order; an occurrence counts only if a special token closes it (so a reply
+        "ta" is not found inside the "assistant" role header), else the first occurrence is taken.
+        """
         spans, cursor = [], 0
         for message in messages:
             content = message["content"].strip()
             if not content:
                 continue
-            found = text.find(content, cursor)
+            found, closer_end = self._locate(text, content, cursor)
             if found < 0:
                 continue
+            cursor = found + len(content)
+            if message["role"] == "assistant":
+                spans.append((found, closer_end))
+        return spans
+
+    def _locate(self, text: str, content: str, cursor: int) -> tuple[int, int]:
+        first, found = -1, text.find(content, cursor)
+        while found >= 0:
             end = found + len(content)
-            cursor = end
-            if message["role"] != "assistant":
-                continue
             rest = text[end:]
             gap = len(rest) - len(rest.lstrip(" \t"))
-            closer = next((t for t in self._turn_closers if rest[gap:].startswith(t)), None)
+            closer = next((t for t in self._turn_closers if rest.startswith(t, gap)), None)
             if closer is not None:
-                end += gap + len(closer)
-            spans.append((found, end))
-        return spans
+                return found, end + gap + len(closer)
+            first = found if first < 0 else first
+            found = text.find(content, found + 1)
+        return first, first + len(content)
 
 
 def longest_run(mask: list[int]) -> int:

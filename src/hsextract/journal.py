@@ -55,10 +55,16 @@ class Journal:
             return
         data = self.path.read_bytes()
         keep = data.rfind(b"\n") + 1
-        if keep != len(data):
-            with self.path.open("r+b") as handle:
+        if keep == len(data):
+            return
+        with self.path.open("r+b") as handle:
+            try:  # only the newline was lost: the entry is whole (read_entries returns it), keep it
+                json.loads(data[keep:])
+                handle.seek(0, os.SEEK_END)
+                handle.write(b"\n")
+            except json.JSONDecodeError:
                 handle.truncate(keep)
-                os.fsync(handle.fileno())
+            os.fsync(handle.fileno())
 
     def append(self, entry: dict, durable: bool = False) -> None:
         line = json.dumps({**entry, "time": round(time.time(), 3)}, separators=(",", ":")) + "\n"

@@ -29,7 +29,7 @@ def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
     text = spec.strip()
     if text.startswith("dflash:"):
         count = text.removeprefix("dflash:")
-        if not count.isdigit() or int(count) < 1:
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
             raise UsageError(f"--layers {spec!r}: dflash:N needs a positive integer N")
         ids = dflash_layer_ids(num_layers, int(count))
     elif text == "eagle3":

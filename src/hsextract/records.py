@@ -112,11 +112,25 @@ def _message(turn: object, index: int) -> dict:
     if role is None:
         raise _Invalid("invalid_record", f"message {index} has unknown role {speaker!r}")
     content = turn.get("content", turn.get("value"))
-    if isinstance(content, list):  # OpenAI-style content parts
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if isinstance(content, list):
+        content = _join_parts(content, index)
     if not isinstance(content, str):
         raise _Invalid("invalid_record", f"message {index} has no text content")
     return {"role": role, "content": content}
+
+
+def _join_parts(parts: list, index: int) -> str:
+    """OpenAI-style content parts: text parts joined, other kinds (images...) dropped."""
+    texts = []
+    for part in parts:
+        if isinstance(part, dict) and part.get("type", "text") == "text":
+            part = part.get("text")
+        elif isinstance(part, dict):
+            continue
+        if not isinstance(part, str):
+            raise _Invalid("invalid_record", f"message {index} has a text part that is not a string")
+        texts.append(part)
+    return "".join(texts)
 
 
 def _int_list(value: object) -> bool:
