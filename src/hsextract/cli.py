@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats")
     ex.add_argument("--log-interval", type=float, default=30.0, help="seconds between log lines (no terminal)")
     ex.add_argument("--progress", choices=("auto", "bar", "log"), default="auto")
+    ex.add_argument("--retry-skipped", default="", metavar="REASONS",
+                    help="comma-separated skip reasons to try again (e.g. oom,nonfinite_states)")
 
     demo = sub.add_parser("demo", help="build a tiny model and dataset here, extract them, read them back")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             token_budget=args.token_budget, sort_window=args.sort_window, device=args.device, dtype=args.dtype,
             include_last=args.include_last, status_dir=args.status_dir,
             heartbeat_interval=args.heartbeat_interval, log_interval=args.log_interval, progress=args.progress,
+            retry_skipped=frozenset(r for r in args.retry_skipped.split(",") if r),
         )
         return run_shard(cfg)
     from .demo import run_demo

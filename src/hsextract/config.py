@@ -33,6 +33,7 @@ class ExtractConfig:
     heartbeat_interval: float = 2.0
     log_interval: float = 30.0
     progress: str = "auto"  # auto | bar | log
+    retry_skipped: frozenset[str] = frozenset()  # skip reasons to try again (e.g. oom on a bigger GPU)
 
     @property
     def shard_dir(self) -> Path:

@@ -118,7 +118,7 @@ class ShardRun:
                     self.skip(item.id, "duplicate_id", "the same id appears earlier in the file", item.line)
                 continue
             seen.add(item.id)
-            if state.finished(item.id):
+            if state.finished(item.id) and state.skipped.get(item.id) not in self.cfg.retry_skipped:
                 self.progress.samples_done += 1
             else:
                 pending.append(item)

@@ -119,4 +119,8 @@ def test_oom_splits_batch_and_skips_only_what_cannot_fit(tiny_model, tmp_path):
 
     sizes = [len(BatchFile(p)) for p in out.glob("shard-*/batch-*.safetensors")]
     assert sum(sizes) == 8 and max(sizes) == 2, f"halved until each batch fits 100 padded tokens: {sizes}"
-    assert sorted(s["id"] for s in hsextract.read_samples(out)) == [f"s{i}" for i in range(8)]
+    # skips are final unless asked: a plain re-run does nothing, --retry-skipped oom writes the sample
+    assert summary_of(run_extract(tiny_model, data, out, 0, 1))["forward_passes"] == 0
+    retry = summary_of(run_extract(tiny_model, data, out, 0, 1, "--retry-skipped", "oom"))
+    assert retry["samples_written"] == 1 and retry["skipped"] == {}
+    assert sorted(s["id"] for s in hsextract.read_samples(out)) == ["huge"] + [f"s{i}" for i in range(8)]
