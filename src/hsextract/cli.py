@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
         announce_start(args.shard, args.num_shards, __version__)
         from .config import ExtractConfig
-        from .extract import run_shard  # imports torch: after the STARTED line on purpose
+        from .liveness import Heartbeat, Progress
 
         out = out_path(args.out)
         if out is None:
@@ -71,7 +71,20 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_interval=args.heartbeat_interval, log_interval=args.log_interval, progress=args.progress,
             retry_skipped=frozenset(r for r in args.retry_skipped.split(",") if r),
         )
-        return run_shard(cfg)
+        heartbeat = Heartbeat(cfg.status_path, Progress(args.shard, args.num_shards, __version__),
+                              args.heartbeat_interval)
+        try:
+            cfg.status_path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            label = "--status-dir" if cfg.status_dir else "--out"
+            print(f"hsextract: {label} {str(cfg.status_path)!r}: not writable ({exc.strerror or exc})",
+                  file=sys.stderr)
+            return 2
+        heartbeat.progress.phase = "importing"
+        heartbeat.start()  # the first heartbeat comes before torch is imported
+        from .extract import run_shard  # imports torch
+
+        return run_shard(cfg, heartbeat)
     from .demo import run_demo
 
     return run_demo(args.workdir, args.samples, args.num_shards)

@@ -276,17 +276,21 @@ def install_signal_handlers(shard: ShardRun) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def run_shard(cfg: ExtractConfig) -> int:
-    """The body of `hsextract extract` after the STARTED line: returns the process exit code."""
-    progress = Progress(cfg.shard, cfg.num_shards, __version__)
+def run_shard(cfg: ExtractConfig, heartbeat: Heartbeat | None = None) -> int:
+    """The body of `hsextract extract` after the STARTED line: returns the process exit code.
+
+    `heartbeat`, when given, is already beating (the CLI starts it before torch is imported)."""
+    progress = heartbeat.progress if heartbeat else Progress(cfg.shard, cfg.num_shards, __version__)
     shard = ShardRun(cfg, progress)
     install_signal_handlers(shard)
-    heartbeat = Heartbeat(cfg.status_path, progress, cfg.heartbeat_interval)
+    started = heartbeat is not None
+    heartbeat = heartbeat or Heartbeat(cfg.status_path, progress, cfg.heartbeat_interval)
     reporter = ProgressReporter(progress, cfg.progress, cfg.log_interval)
     code, reason = 1, "unknown"
     try:
         layer_ids = shard.validate()
-        heartbeat.start()
+        if not started:
+            heartbeat.start()
         reporter.start()
         summary = shard.run(layer_ids)
         code, reason = 0, "complete"
