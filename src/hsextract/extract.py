@@ -81,6 +81,8 @@ class ShardRun:
         self.journal = Journal(cfg.shard_dir)
         self.progress.phase = "reading_data"
         pending = self.pending_records()
+        if not pending:
+            return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
         device = resolve_device(cfg.device)
         capture = LayerCapture(cfg.model, layer_ids, cfg.include_last, device, resolve_dtype(cfg.dtype, device))

@@ -1,0 +1,176 @@
+"""The `extract` flow: deploy -> launch -> supervise, one shard per GPU slot, concurrently.
+
+Ends Completed only when every requested shard is done; otherwise Failed, naming each failed shard,
+its host and the reason. Calling it again with the same `run_name` and `output` continues the run:
+complete shards are not redone (the worker resumes by sample id) and running ones are adopted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import re
+import sys
+from collections import deque
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `prefect deployment run` starts flows with the project root elsewhere
+    sys.path.insert(0, str(ROOT))
+
+from tasks.bundle import build_bundle  # noqa: E402
+from tasks.deploy import deploy  # noqa: E402
+from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory  # noqa: E402
+from tasks.shards import Policy, ShardJob, launch, supervise  # noqa: E402
+
+
+class RunIncomplete(Exception):
+    """Some requested shard is not done; the message lists every failure with host and reason."""
+
+
+def worker_version() -> str:
+    text = (ROOT / "src" / "hsextract" / "__init__.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+
+
+def resolve_inventory(hosts: str) -> Inventory:
+    """A YAML path, or the name of a HostInventory block holding the same YAML."""
+    if Path(hosts).expanduser().is_file():
+        return load_inventory(hosts)
+    try:
+        from tasks.blocks import HostInventory
+
+        block = HostInventory.load(hosts)
+    except Exception as exc:
+        raise InventoryError(f"hosts={hosts!r}: neither an inventory file nor a HostInventory block ({exc})") from None
+    return parse_inventory(block.yaml, f"block {hosts}")
+
+
+def local_output(output: str) -> str:
+    if output.startswith("file://"):
+        return output.removeprefix("file://")
+    if output.startswith("/"):
+        return output
+    raise ValueError(f"output={output!r}: use file:///absolute/path (s3:// comes with the S3 upload)")
+
+
+def default_run_name(output: str) -> str:
+    return "run-" + hashlib.sha256(output.encode()).hexdigest()[:10]
+
+
+def worker_args(model, data, out_dir, layers, max_length, token_budget, device, heartbeat_s) -> tuple[str, ...]:
+    args = ["--model", model, "--data", data, "--out", out_dir, "--layers", layers,
+            "--token-budget", str(token_budget), "--device", device, "--progress", "log",
+            "--heartbeat-interval", str(heartbeat_s)]
+    if max_length is not None:
+        args += ["--max-length", str(max_length)]
+    return tuple(args)
+
+
+def _done_locally(out_dir: str, num_shards: int) -> set[int]:
+    """Shards whose journal (visible from here) ends with `done`: skipped without touching a host."""
+    done = set()
+    for shard in range(num_shards):
+        journal = Path(out_dir) / f"shard-{shard:05d}-of-{num_shards:05d}" / "journal.jsonl"
+        if journal.is_file() and journal.read_bytes().rstrip().rsplit(b"\n", 1)[-1].startswith(b'{"kind":"done"'):
+            done.add(shard)
+    return done
+
+
+@flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True)
+def extract(
+    model: str,
+    data: str,
+    output: str,
+    hosts: str,
+    layers: str = "dflash:5",
+    num_shards: int | None = None,
+    shards: list[int] | None = None,
+    run_name: str | None = None,
+    aws_credentials: str | None = None,
+    max_length: int | None = None,
+    token_budget: int = 8192,
+    device: str = "auto",
+    heartbeat_interval_s: float = 2.0,
+    launch_timeout_s: float = 60.0,
+    stall_timeout_s: float = 60.0,
+    poll_interval_s: float = 2.0,
+    host_timeout_s: float = 60.0,
+):
+    log = get_run_logger()
+    if aws_credentials is not None:
+        raise ValueError("aws_credentials: S3 output is not supported yet; use output=file://...")
+    inventory = resolve_inventory(hosts)
+    out_dir = local_output(output)
+    slots = inventory.slots
+    num_shards = num_shards or len(slots)
+    requested = sorted(set(shards)) if shards is not None else list(range(num_shards))
+    bad = [s for s in requested if not 0 <= s < num_shards]
+    if bad:
+        raise ValueError(f"shards={bad}: out of range for num_shards={num_shards}")
+    run = run_name or default_run_name(output)
+    already = _done_locally(out_dir, num_shards) if shards is None else set()
+    todo = deque(s for s in requested if s not in already)
+    log.info("run %s: %d shard(s) requested, %d already complete, %d GPU slot(s) on %d host(s)",
+             run, len(requested), len(already), len(slots), len(inventory.hosts))
+    policy = Policy(launch_timeout_s=launch_timeout_s, poll_interval_s=poll_interval_s,
+                    stall_timeout_s=stall_timeout_s, host_timeout_s=host_timeout_s)
+
+    bundle = build_bundle(ROOT)
+    version = worker_version()
+    deploys = {h.name: deploy.submit(h.name, inventory, bundle, version) for h in inventory.hosts if todo}
+    healthy, failures = set(), {}
+    for name, future in deploys.items():
+        future.wait()
+        if future.state.is_completed():
+            healthy.add(name)
+        else:
+            failures[f"host {name}"] = _message(future.state)
+    free = deque(slot for slot in slots if slot[0] in healthy)
+    args = worker_args(model, data, out_dir, layers, max_length, token_budget, device, heartbeat_interval_s)
+    outcomes: dict[int, str] = {s: "done (already complete)" for s in already}
+    active: dict = {}  # wrapped concurrent future -> (prefect future, stage, job, slot)
+    if todo and not free:
+        for shard in todo:
+            failures[f"shard {shard}"] = "no healthy host to run it on"
+        todo.clear()
+    while todo or active:
+        while todo and free:
+            host_name, gpu = slot = free.popleft()
+            spec = inventory.host(host_name)
+            job = ShardJob(run, todo.popleft(), num_shards, host_name, gpu, spec.workdir, spec.python,
+                           bundle.sha256, out_dir, args)
+            future = launch.submit(job, inventory, policy)
+            active[future.wrapped_future] = (future, "launch", job, slot)
+        done, _ = cf.wait(list(active), timeout=5, return_when=cf.FIRST_COMPLETED)
+        for wrapped in done:
+            future, stage, job, slot = active.pop(wrapped)
+            future.wait()  # done already: this records the final state without asking the API
+            state = future.state
+            if stage == "launch" and state.is_completed():
+                nxt = supervise.submit(job, state.result(), inventory, policy)
+                active[nxt.wrapped_future] = (nxt, "supervise", job, slot)
+                continue
+            free.append(slot)
+            if state.is_completed():
+                outcomes[job.shard] = "done"
+            else:
+                failures[f"shard {job.shard}"] = _message(state)
+    summary = {"run_name": run, "output": output, "num_shards": num_shards,
+               "shards": {str(s): outcomes.get(s, "failed") for s in requested}}
+    if failures:
+        text = "\n".join(f"- {where}: {why}" for where, why in sorted(failures.items()))
+        raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}:\n{text}")
+    log.info("run %s: all %d requested shard(s) complete", run, len(requested))
+    return summary
+
+
+def _message(state) -> str:
+    try:
+        state.result()
+    except Exception as exc:
+        return str(exc)
+    return state.message or state.name

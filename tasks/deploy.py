@@ -1,0 +1,93 @@
+"""Push the code bundle to a host and prove it: the host prints the bundle hash and the worker's version."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from .bundle import Bundle
+from .commands import bundle_dir, check_bundle_cmd, env_check_cmd, unpack_bundle_cmd
+from .hosts import Host, HostError, connect
+from .inventory import Inventory
+from .transient import is_transient
+
+
+class DeployFailed(Exception):
+    """The host does not have a provably working copy of the bundle."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+@dataclass(frozen=True)
+class Deployed:
+    host: str
+    digest: str
+    version: str
+    environment: str
+    skipped: bool
+    seconds: float
+
+
+def _proof(host: Host, digest: str, python: str, expect_version: str, timeout: float):
+    """(proved, result): proved when the host printed exactly this bundle's hash and the worker version."""
+    result = host.run(check_bundle_cmd(host.spec.workdir, digest, python), timeout)
+    lines = result.stdout.split("\n")
+    proved = result.ok and len(lines) >= 2 and lines[0] == f"BUNDLE {digest}" and lines[1] == f"hsextract {expect_version}"
+    return proved, result
+
+
+def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0) -> Deployed:
+    started = time.monotonic()
+    python = host.spec.python
+    proved, _ = _proof(host, bundle.sha256, python, version, timeout)
+    skipped = proved
+    if not proved:
+        tarball = bundle_dir(host.spec.workdir, bundle.sha256) + ".tar.gz"
+        try:
+            host.put(bundle.data, tarball, timeout, mode=0o640)
+        except HostError as exc:
+            raise DeployFailed(f"host {host.name}: uploading the bundle to {tarball} failed: {exc.reason}",
+                               exc.transient) from None
+        unpacked = host.run(unpack_bundle_cmd(host.spec.workdir, bundle.sha256), timeout)
+        if not unpacked.stdout.startswith(f"SHA256 {bundle.sha256}\n") or not unpacked.ok:
+            raise DeployFailed(f"wrong bundle hash or unpack failed (expected sha256 {bundle.sha256}); "
+                               + unpacked.describe())
+        proved, check = _proof(host, bundle.sha256, python, version, timeout)
+        if not proved:
+            raise DeployFailed(f"the bundle is on the host but `{python} -m hsextract --version` did not prove "
+                               f"it (expected 'BUNDLE {bundle.sha256}' and 'hsextract {version}'); "
+                               + check.describe())
+    env = host.run(env_check_cmd(python), timeout)
+    line = next((l for l in env.stdout.splitlines() if l.startswith("ENV ")), None)
+    if not env.ok or line is None:
+        raise DeployFailed(f"the host's python cannot import the worker's packages (torch, transformers, "
+                           f"safetensors); " + env.describe())
+    return Deployed(host.name, bundle.sha256, version, line[4:], skipped, round(time.monotonic() - started, 3))
+
+
+def _retry_transient(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except DeployFailed as exc:
+        return exc.transient
+    except HostError as exc:
+        return exc.transient
+    except Exception as exc:
+        return is_transient(exc)
+    return False
+
+
+@task(name="deploy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_transient,
+      task_run_name="deploy-{host_name}")
+def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str) -> Deployed:
+    with connect(inventory.host(host_name), inventory) as host:
+        deployed = deploy_host(host, bundle, version)
+    get_run_logger().info("host %s: bundle %s %s, %s, %s (%.1fs)", host_name, bundle.sha256[:12],
+                          "already in place" if deployed.skipped else "pushed", deployed.version,
+                          deployed.environment, deployed.seconds)
+    return deployed

@@ -1,0 +1,208 @@
+"""One interface for running commands on a host, with an SSH (fabric) and a local (subprocess) twin.
+
+Same semantics for both: `run` has a hard deadline and never reads stdin (`< /dev/null`); a non-zero
+exit is a `Result`, not an exception; only a transport failure or a missed deadline raises `HostError`,
+which names the host and command and says whether a retry may help. `put` writes a file atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from .commands import q as quote
+from .inventory import HostSpec, Inventory
+from .transient import is_transient
+
+
+def tail(text: str, limit: int = 2000) -> str:
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+@dataclass(frozen=True)
+class Result:
+    host: str
+    command: str
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def describe(self) -> str:
+        said = "\n".join(f"{label}: {tail(text).strip()}" for label, text in
+                         (("stdout", self.stdout), ("stderr", self.stderr)) if text.strip()) or "it printed nothing"
+        return f"host {self.host}: `{tail(self.command, 600)}` exited {self.returncode}; {said}"
+
+
+class HostError(Exception):
+    """The host could not be reached or did not answer in time: nothing is known about the command."""
+
+    def __init__(self, host: str, command: str, reason: str, transient: bool):
+        super().__init__(f"host {host}: `{tail(command, 600)}`: {reason}")
+        self.host, self.command, self.reason, self.transient = host, command, reason, transient
+
+
+class Host(ABC):
+    def __init__(self, spec: HostSpec):
+        self.spec = spec
+        self.name = spec.name
+
+    @abstractmethod
+    def run(self, command: str, timeout: float) -> Result:
+        """Run a POSIX shell command with stdin closed; raise HostError past `timeout` seconds."""
+
+    @abstractmethod
+    def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
+        """Write `data` to `path` on the host atomically (temp name, then rename)."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Host":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalHost(Host):
+    """This machine, through /bin/sh: the embedded default, and the twin of SshHost in tests."""
+
+    def run(self, command: str, timeout: float) -> Result:
+        proc = subprocess.Popen(["/bin/sh", "-c", f"( {command}\n) < /dev/null"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise HostError(self.name, command, f"no answer within {timeout:.0f}s (killed)", transient=True) from None
+        return Result(self.name, command, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+
+    def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise HostError(self.name, f"put {path}", f"{exc.strerror or exc}", transient=False) from None
+
+
+@dataclass(frozen=True)
+class SshTimeouts:
+    connect_s: float = 10.0   # TCP connect + banner + auth
+    channel_s: float = 10.0   # opening a session channel
+    grace_s: float = 5.0      # beyond a command's deadline before the link is declared dead
+    keepalive_s: float = 5.0
+
+
+class SshHost(Host):
+    """A host reached with fabric. Host keys are checked against known_hosts unless the inventory opts in."""
+
+    def __init__(self, spec: HostSpec, inventory: Inventory, timeouts: SshTimeouts = SshTimeouts()):
+        super().__init__(spec)
+        self.inventory = inventory
+        self.timeouts = timeouts
+        self._conn = None
+        self._lock = threading.Lock()
+
+    def _connection(self):
+        from fabric import Connection
+        from paramiko import AutoAddPolicy, RejectPolicy
+
+        if self._conn is not None and self._conn.is_connected:
+            return self._conn
+        t = self.timeouts
+        kwargs = {"banner_timeout": t.connect_s, "auth_timeout": t.connect_s, "channel_timeout": t.channel_s,
+                  "allow_agent": False, "look_for_keys": self.spec.key_filename is None}
+        if self.spec.key_filename:
+            kwargs["key_filename"] = str(Path(self.spec.key_filename).expanduser())
+        conn = Connection(self.spec.hostname, user=self.spec.user, port=self.spec.port,
+                          connect_timeout=t.connect_s, connect_kwargs=kwargs)
+        client = conn.client
+        client.get_host_keys().clear()  # fabric loads ~/.ssh/known_hosts and accepts any key: undo both
+        known = self.inventory.known_hosts_path(self.spec)
+        if known.is_file():
+            client.get_host_keys().load(str(known))
+        accept = self.inventory.accepts_unknown_keys(self.spec)
+        client.set_missing_host_key_policy(AutoAddPolicy() if accept else RejectPolicy())
+        conn.open()
+        conn.transport.set_keepalive(int(t.keepalive_s))
+        self._conn = conn
+        return conn
+
+    def _guarded(self, what: str, deadline: float, fn):
+        """Run `fn(connection)` in a thread; past the deadline close the link (unblocks it) and raise."""
+        box: dict = {}
+
+        def target():
+            try:
+                box["value"] = fn(self._connection())
+            except BaseException as exc:  # re-raised on the caller's thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, daemon=True, name=f"ssh-{self.name}")
+        with self._lock:
+            thread.start()
+            thread.join(deadline + self.timeouts.grace_s)
+            if thread.is_alive():
+                self.close()
+                raise HostError(self.name, what, f"no answer within {deadline:.0f}s (link down or host hung)", True)
+        if "error" in box:
+            exc = box["error"]
+            self.close()
+            raise HostError(self.name, what, f"{type(exc).__name__}: {exc}", is_transient(exc)) from exc
+        return box["value"]
+
+    def run(self, command: str, timeout: float) -> Result:
+        wrapped = f"( {command}\n) < /dev/null"
+
+        def go(conn):
+            from invoke.exceptions import CommandTimedOut
+
+            try:
+                r = conn.run(wrapped, hide=True, warn=True, timeout=timeout, in_stream=False, pty=False)
+            except CommandTimedOut:
+                raise TimeoutError(f"command still running after {timeout:.0f}s") from None
+            return Result(self.name, command, r.exited, r.stdout, r.stderr)
+
+        return self._guarded(command, self.timeouts.connect_s + timeout, go)
+
+    def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+
+        def go(conn):
+            sftp = conn.sftp()
+            parent = path.rsplit("/", 1)[0] or "/"
+            conn.run(f"mkdir -p -- {quote(parent)}", hide=True, in_stream=False, timeout=timeout)
+            sftp.putfo(io.BytesIO(data), tmp)
+            sftp.chmod(tmp, mode)
+            sftp.posix_rename(tmp, path)
+
+        self._guarded(f"put {path}", self.timeouts.connect_s + timeout, go)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # closing a dead link may fail; it is gone either way
+                pass
+
+
+def connect(spec: HostSpec, inventory: Inventory) -> Host:
+    return LocalHost(spec) if spec.is_local else SshHost(spec, inventory)

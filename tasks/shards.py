@@ -1,0 +1,194 @@
+"""Launch one shard's worker with proof, and supervise it to a verdict (plain functions + Prefect tasks).
+
+launch: write the shard config, start the worker detached, and return only once the process is alive,
+has printed `STARTED` and written a heartbeat; anything else within the deadline is `ShardFailed`.
+supervise: poll one probe per interval and decide running / stalled / lost / failed / done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from .commands import control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, Probe
+from .hosts import Host, HostError, Result, connect, tail
+from .inventory import Inventory
+
+
+class ShardFailed(Exception):
+    """A shard ended in a state that is not done; the message names host, shard, what ran, what it said."""
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    run: str
+    shard: int
+    num_shards: int
+    host: str
+    gpu: int
+    workdir: str
+    python: str
+    digest: str
+    out_dir: str             # local output directory as seen on the host
+    worker_args: tuple[str, ...]  # everything but --shard/--num-shards/--status-dir
+
+    @property
+    def label(self) -> str:
+        return f"shard {self.shard}/{self.num_shards} on {self.host} (GPU {self.gpu})"
+
+    @property
+    def shard_dir(self) -> str:
+        return f"shard-{self.shard:05d}-of-{self.num_shards:05d}"
+
+    @property
+    def ctrl(self) -> str:
+        return control_dir(self.workdir, self.run, self.shard_dir)
+
+    @property
+    def journal(self) -> str:
+        return f"{self.out_dir}/{self.shard_dir}/journal.jsonl"
+
+    def argv(self) -> list[str]:
+        return [*self.worker_args, "--shard", str(self.shard), "--num-shards", str(self.num_shards)]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Deadlines of launch and supervise, in seconds."""
+
+    launch_timeout_s: float = 60.0     # from start to STARTED + first heartbeat
+    poll_interval_s: float = 2.0
+    stall_timeout_s: float = 60.0      # heartbeat older than this: stalled
+    progress_timeout_s: float = 1800.0  # extracting with no sample finished for this long: stalled
+    host_timeout_s: float = 60.0       # probes failing for this long: host lost
+    command_timeout_s: float = 30.0
+
+
+@dataclass
+class Launched:
+    pid: int
+    start: str
+    adopted: bool
+    started_line: str
+    first_heartbeat: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Result | None = None) -> ShardFailed:
+    parts = [f"{job.label}: {what}"]
+    if result is not None:
+        parts.append(result.describe())
+    if probe is not None:
+        parts.append(f"worker log ({job.ctrl}/worker.log) tail:\n{tail(probe.log).strip() or '(empty)'}")
+    return ShardFailed("\n".join(parts))
+
+
+def probe(host: Host, job: ShardJob, timeout: float) -> Probe:
+    return parse_probe(host.run(probe_cmd(job.ctrl, job.journal), timeout).stdout)
+
+
+def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
+    started = time.monotonic()
+    config = json.dumps({**asdict(job), "argv": job.argv()}, indent=1).encode()
+    host.put(config, f"{job.ctrl}/launch.json", policy.command_timeout_s)
+    command = launch_cmd(job.ctrl, job.workdir, job.digest, job.python, job.gpu, job.argv())
+    result = host.run(command, policy.command_timeout_s)
+    words = result.stdout.split()
+    if not result.ok or len(words) < 3 or words[0] not in ("LAUNCHED", "ADOPT"):
+        what = "launch printed nothing" if not (result.stdout + result.stderr).strip() else "launch failed"
+        raise _failure(job, what, result=result)
+    pid, start, adopted = int(words[1]), words[2], words[0] == "ADOPT"
+    while True:
+        state = probe(host, job, policy.command_timeout_s)
+        elapsed = time.monotonic() - started
+        if state.pid != pid or state.pid_start != start:
+            raise _failure(job, f"another launch replaced pid {pid} (now {state.pid})", state)
+        if state.started_line and state.heartbeat and (state.alive or _exit_code(state) == 0):
+            return Launched(pid, start, adopted, state.started_line, state.heartbeat, round(elapsed, 3))
+        if not state.alive:
+            code = _exit_code(state)
+            if code is None:
+                what = (f"worker pid {pid} exited at once, printing no STARTED line"
+                        if not state.started_line else f"worker pid {pid} died without an exit status")
+            else:
+                what = f"worker pid {pid} exited with code {code}: {state.exit.get('reason')}"
+            raise _failure(job, what + f" (after {elapsed:.1f}s)", state)
+        if elapsed > policy.launch_timeout_s:
+            host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
+            missing = "STARTED line" if not state.started_line else "heartbeat"
+            raise _failure(job, f"no {missing} within {policy.launch_timeout_s:.0f}s; killed pid {pid}", state)
+        time.sleep(0.1 if elapsed < 2 else 0.5)
+
+
+def _exit_code(state: Probe) -> int | None:
+    return None if state.exit is None else int(state.exit.get("code", -1))
+
+
+def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Policy, log=None) -> dict:
+    """Poll until the shard is done (returns its summary) or not (raises ShardFailed)."""
+    last_ok = time.monotonic()
+    last_progress, progress_at = None, time.monotonic()
+    last_log = 0.0
+    while True:
+        try:
+            state = probe(host, job, policy.command_timeout_s)
+        except HostError as exc:
+            down = time.monotonic() - last_ok
+            if not exc.transient or down > policy.host_timeout_s:
+                raise _failure(job, f"host unreachable for {down:.0f}s: {exc}") from None
+            time.sleep(min(policy.poll_interval_s, 1.0))
+            continue
+        last_ok = time.monotonic()
+        if state.pid != launched.pid or state.pid_start != launched.start:
+            raise _failure(job, f"pid {launched.pid} was replaced by another launch (pid {state.pid})", state)
+        code = _exit_code(state)
+        if code is not None:
+            if code == 0 and (state.journal_last or {}).get("kind") == "done":
+                return state.journal_last["summary"]
+            if code == 0:
+                raise _failure(job, "worker exited 0 but its journal has no 'done' entry", state)
+            raise _failure(job, f"worker exited with code {code}: {state.exit.get('reason')}", state)
+        if not state.alive:
+            what = "a zombie" if state.state == "Z" else "gone"
+            raise _failure(job, f"lost: worker pid {launched.pid} is {what} and left no exit status "
+                                f"(killed -9, OOM-killed, or the host rebooted)", state)
+        beat = state.heartbeat or {}
+        age = state.heartbeat_age
+        if age is None or age > policy.stall_timeout_s:
+            host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
+            stopped = " (process is stopped, state T)" if state.state == "T" else ""
+            raise _failure(job, f"stalled: no heartbeat for {age or 0:.1f}s{stopped}; killed pid {launched.pid}",
+                           state)
+        progress = (beat.get("samples_done"), beat.get("tokens_done"))
+        if progress != last_progress:
+            last_progress, progress_at = progress, time.monotonic()
+        elif beat.get("phase") == "extracting" and time.monotonic() - progress_at > policy.progress_timeout_s:
+            host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
+            raise _failure(job, f"stalled: no progress for {policy.progress_timeout_s:.0f}s; killed", state)
+        if log is not None and time.monotonic() - last_log > 30:
+            last_log = time.monotonic()
+            log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),
+                     beat.get("samples_total"), beat.get("tokens_per_s", 0))
+        time.sleep(policy.poll_interval_s)
+
+
+@task(name="launch", cache_policy=NO_CACHE, task_run_name="launch-shard-{job.shard}")
+def launch(job: ShardJob, inventory: Inventory, policy: Policy) -> Launched:
+    with connect(inventory.host(job.host), inventory) as host:
+        launched = launch_shard(host, job, policy)
+    get_run_logger().info("%s: %s pid %d, %s, first heartbeat after %.1fs", job.label,
+                          "adopted" if launched.adopted else "running", launched.pid, launched.started_line,
+                          launched.seconds)
+    return launched
+
+
+@task(name="supervise", cache_policy=NO_CACHE, task_run_name="supervise-shard-{job.shard}")
+def supervise(job: ShardJob, launched: Launched, inventory: Inventory, policy: Policy) -> dict:
+    with connect(inventory.host(job.host), inventory) as host:
+        summary = supervise_shard(host, job, launched, policy, get_run_logger())
+    get_run_logger().info("%s: done: %s", job.label, json.dumps(summary))
+    return summary

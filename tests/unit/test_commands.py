@@ -1,0 +1,83 @@
+"""Command builders tested as strings, and run through a real /bin/sh where that proves more."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tasks.commands import check_bundle_cmd, kill_cmd, launch_cmd, parse_probe, probe_cmd
+
+def nasty(tmp_path) -> str:
+    canary = tmp_path / "pwned"
+    return f"we ird;$(touch {canary})`touch {canary}`'\"\n*;touch {canary}"
+
+
+def test_every_value_is_quoted_and_nothing_else_runs(tmp_path):
+    name = nasty(tmp_path)
+    ctrl, workdir = str(tmp_path / name / "ctrl"), str(tmp_path / name)
+    cmd = launch_cmd(ctrl, workdir, "abc", "/bin/true", 3, ["--model", name, "--out", name])
+    assert "CUDA_VISIBLE_DEVICES=3 " in cmd and "setsid " in cmd and "< /dev/null" in cmd
+    assert "9>&-" in cmd, "the worker must not inherit the launch lock"
+    out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("LAUNCHED "), out
+    for builder in (probe_cmd(ctrl, name), kill_cmd(ctrl), check_bundle_cmd(workdir, name, name)):
+        subprocess.run(["/bin/sh", "-c", builder], capture_output=True, cwd=tmp_path)
+    assert (tmp_path / name / "ctrl" / "pid").is_file(), "the literal odd path was used"
+    assert not (tmp_path / "pwned").exists(), "an interpolated value ran as a command"
+
+
+def test_probe_of_missing_control_dir_runs_and_parses(tmp_path):
+    out = subprocess.run(["/bin/sh", "-c", probe_cmd(str(tmp_path / "nope"), "/nope")], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and not parse_probe(out.stdout).has_control_dir
+
+
+def test_probe_parses_a_live_process(tmp_path):
+    ctrl = tmp_path / "ctrl dir"
+    ctrl.mkdir()
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        start = open(f"/proc/{proc.pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        (ctrl / "pid").write_text(f"{proc.pid}\n")
+        (ctrl / "pid.start").write_text(start + "\n")
+        (ctrl / "heartbeat.json").write_text('{"time": 1.5, "phase": "extracting"}')
+        (ctrl / "worker.log").write_text("STARTED shard=0/1 pid=1 version=x\nline two\n")
+        out = subprocess.run(["/bin/sh", "-c", probe_cmd(str(ctrl), str(tmp_path / "j"))], capture_output=True,
+                             text=True).stdout
+        probe = parse_probe(out)
+        assert probe.alive and probe.pid == proc.pid and probe.state in ("S", "R")
+        assert probe.heartbeat["phase"] == "extracting" and probe.heartbeat_age > 0
+        assert probe.started_line.startswith("STARTED shard=0/1") and "line two" in probe.log
+        assert probe.exit is None and probe.journal_last is None
+        # a reused pid (other start time) is not our process
+        (ctrl / "pid.start").write_text("1\n")
+        assert not parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(str(ctrl), "/j")], capture_output=True,
+                                              text=True).stdout).alive
+        # kill_cmd refuses a pid whose start time does not match, then kills the right one
+        subprocess.run(["/bin/sh", "-c", kill_cmd(str(ctrl))], capture_output=True)
+        assert proc.poll() is None
+        (ctrl / "pid.start").write_text(start + "\n")
+        subprocess.run(["/bin/sh", "-c", kill_cmd(str(ctrl))], capture_output=True)
+        assert proc.wait(timeout=5) == -9
+    finally:
+        proc.kill()
+
+
+def test_probe_sees_zombie_as_not_alive(tmp_path):
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        import time
+
+        time.sleep(0.2)  # child exits; we do not reap it yet: a zombie
+        ctrl = tmp_path
+        start = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        (ctrl / "pid").write_text(f"{pid}\n")
+        (ctrl / "pid.start").write_text(start)
+        probe = parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(str(ctrl), "/j")], capture_output=True,
+                                           text=True).stdout)
+        assert probe.state == "Z" and not probe.alive
+    finally:
+        os.waitpid(pid, 0)
