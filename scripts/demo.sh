@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run the main job on the embedded default: a tiny model and dataset built here, every shard
-# through the real worker CLI, output to local storage, read back and verified. Extra args go to the demo.
+# Set up, then run the main job on the embedded default: a tiny model and dataset built here, the Prefect
+# flow `extract` over the local host (two slots), output to local storage, verified. Extra args go to
+# flows/demo.py (e.g. --hosts inventory.yaml to run on SSH hosts instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/hsextract demo "$@"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_LOGGING_LEVEL=${PREFECT_LOGGING_LEVEL:-INFO}
+exec .venv/bin/python -m flows.demo "$@"

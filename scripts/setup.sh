@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
 # Set up everything this project needs, idempotently: a virtualenv in .venv with the CPU build of torch
-# first (so nothing pulls a multi-GB CUDA build), then the project with its worker and dev extras.
+# first (so nothing pulls a multi-GB CUDA build), then the project with all its extras, plus the
+# system packages the tests need (openssh-server, iproute2) when run as root on Debian/Ubuntu.
 # Override the torch requirement with TORCH_SPEC (e.g. TORCH_SPEC='torch>=2.6' on a GPU host).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# System packages the tests use (a real sshd per test host, network namespaces as extra hosts).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=""
+  [ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
+  command -v ip >/dev/null || missing="$missing iproute2"
+  command -v flock >/dev/null || missing="$missing util-linux"
+  if [ -n "$missing" ]; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
 fi
-.venv/bin/python -m pip install -q -e '.[worker,dev]' 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -c 'import torch, transformers, safetensors, hsextract; print(f"set up: torch {torch.__version__}, transformers {transformers.__version__}, hsextract {hsextract.__version__}")'
+.venv/bin/python -m pip install -q -e '.[worker,orchestrate,dev]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -c 'import torch, transformers, safetensors, hsextract; import prefect, fabric; print(f"set up: torch {torch.__version__}, transformers {transformers.__version__}, prefect {prefect.__version__}, hsextract {hsextract.__version__}")'

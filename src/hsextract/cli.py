@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -36,10 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--retry-skipped", default="", metavar="REASONS",
                     help="comma-separated skip reasons to try again (e.g. oom,nonfinite_states)")
 
-    demo = sub.add_parser("demo", help="build a tiny model and dataset here, extract them, read them back")
-    demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
-    demo.add_argument("--samples", type=int, default=200)
-    demo.add_argument("--num-shards", type=int, default=2)
+    inspect = sub.add_parser("inspect", help="count and verify what an output directory holds")
+    inspect.add_argument("out", help="output directory or file:// URI")
+    inspect.add_argument("--verify", action="store_true", help="check every file's sha256 against the journal")
+
+    tiny = sub.add_parser("make-tiny", help="build a tiny random Qwen3.5 hybrid model and a chat dataset")
+    tiny.add_argument("--model", type=Path, required=True, help="directory to save the model and tokenizer in")
+    tiny.add_argument("--data", type=Path, required=True, help="JSONL file to write")
+    tiny.add_argument("--samples", type=int, default=200)
     return parser
 
 
@@ -85,9 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         from .extract import run_shard  # imports torch
 
         return run_shard(cfg, heartbeat)
-    from .demo import run_demo
+    if args.command == "inspect":
+        from .reader import describe_output
 
-    return run_demo(args.workdir, args.samples, args.num_shards)
+        print(json.dumps(describe_output(args.out, args.verify)))
+        return 0
+    from . import tiny as tiny_assets
+
+    if not (args.model / "config.json").exists():
+        tiny_assets.build_model(args.model, kind="qwen3_5_text")
+    if not args.data.exists():
+        tiny_assets.build_dataset(args.data, args.samples)
+    print(json.dumps({"model": str(args.model), "data": str(args.data)}))
+    return 0
 
 
 if __name__ == "__main__":

@@ -43,6 +43,17 @@ def sample_index(path_or_uri: str | Path, verify: bool = False) -> list[tuple[Pa
     return index
 
 
+def describe_output(path_or_uri: str | Path, verify: bool = False) -> dict:
+    """Samples, tokens, files and bytes an output holds (each sample counted once)."""
+    root = _local(path_or_uri)
+    index = sample_index(root, verify)
+    state = scan_output(root)
+    tokens = sum(e["tokens"] for _, e in state.files)
+    return {"out": str(root), "samples": len(index), "files": len(state.files),
+            "bytes": sum(e["bytes"] for _, e in state.files), "tokens_in_files": tokens,
+            "skipped": len(state.skipped), "shards_done": sorted(state.done_shards), "verified": verify}
+
+
 def read_samples(path_or_uri: str | Path, verify: bool = False) -> Iterator[dict]:
     """Yield `{"id", "input_ids" [T], "loss_mask" [T], "hidden_states" [T, n_layers*hidden]}` per sample
     (plus `last_hidden_state` [T, hidden] when extracted with --include-last), each id exactly once."""
