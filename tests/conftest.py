@@ -20,3 +20,27 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> Path:
     return tiny.build_dataset(tmp_path_factory.mktemp("data") / "chat.jsonl", 120, seed=1)
+
+
+@pytest.fixture(scope="session")
+def farm():
+    """Real OpenSSH servers: two hosts in their own network namespaces (loopback if unavailable) + one on lo."""
+    from sshhosts import SshdFarm
+
+    with SshdFarm() as farm:
+        farm.add_host("h1", netns=True)
+        farm.add_host("h2", netns=True)
+        farm.add_host("lo")
+        yield farm
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real Prefect server (SQLite) for the whole session."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

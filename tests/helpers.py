@@ -30,3 +30,17 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
 
 def dataset_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_inventory(path: Path, hosts: list[dict], **top) -> Path:
+    """Inventory YAML from dicts (see tasks/inventory.py); returns its path."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({**top, "hosts": hosts}))
+    return path
+
+
+def ssh_host_entry(farm_host, workdir: Path, gpus=(0, 1), python: str | None = None, **extra) -> dict:
+    return {"name": farm_host.name, "hostname": farm_host.hostname, "port": farm_host.port, "user": farm_host.user,
+            "key_filename": str(farm_host.key_filename), "known_hosts": str(farm_host.known_hosts),
+            "gpus": list(gpus), "workdir": str(workdir), "python": python or sys.executable, **extra}

@@ -1,0 +1,202 @@
+"""Launch proofs and supervision against real sshd hosts: every way a launch goes wrong ends Failed, fast."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hsextract import tiny
+from tasks.bundle import build_bundle
+from tasks.deploy import DeployFailed, deploy_host
+from tasks.hosts import HostError, SshHost, connect
+from tasks.inventory import parse_inventory
+from tasks.shards import Policy, ShardFailed, ShardJob, launch_shard, supervise_shard
+
+from helpers import ssh_host_entry, write_inventory
+
+ROOT = Path(__file__).resolve().parents[2]
+HEARTBEAT_S = 1.0
+FAST = Policy(launch_timeout_s=20, poll_interval_s=0.2, stall_timeout_s=1.5 * HEARTBEAT_S, host_timeout_s=4,
+              command_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def env(farm, tmp_path_factory, tiny_model):
+    """Inventory over the farm, the bundle deployed on every host, a dataset big enough to run ~15 s."""
+    base = tmp_path_factory.mktemp("launch")
+    data = tiny.build_dataset(base / "data.jsonl", 1500, seed=4)
+    entries = [ssh_host_entry(farm.host(n), base / f"work-{n}") for n in ("h1", "h2", "lo")]
+    inventory = parse_inventory(write_inventory(base / "hosts.yaml", entries).read_text())
+    bundle = build_bundle(ROOT)
+    for spec in inventory.hosts:
+        with connect(spec, inventory) as host:
+            deploy_host(host, bundle, "0.1.0")
+    return dict(base=base, data=data, inventory=inventory, digest=bundle.sha256, model=tiny_model, bundle=bundle)
+
+
+def job_for(env, host: str, shard: int = 0, python: str = sys.executable, run: str = "t", budget: int = 128,
+            num_shards: int = 1) -> ShardJob:
+    spec = env["inventory"].host(host)
+    out = f"{env['base']}/out-{run}"
+    args = ("--model", str(env["model"]), "--data", str(env["data"]), "--out", out, "--layers", "1,3",
+            "--token-budget", str(budget), "--progress", "log", "--heartbeat-interval", str(HEARTBEAT_S),
+            "--device", "cpu")
+    return ShardJob(run, shard, num_shards, host, 0, spec.workdir, python, env["digest"], out, args)
+
+
+def open_host(env, name):
+    return connect(env["inventory"].host(name), env["inventory"])
+
+
+def script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_happy_launch_then_supervise_to_done(env):
+    job = job_for(env, "h1", run="happy", budget=4096)
+    with open_host(env, "h1") as host:
+        launched = launch_shard(host, job, FAST)
+        assert launched.started_line.startswith("STARTED shard=0/1") and launched.first_heartbeat
+        assert not launched.adopted and launched.seconds < 10
+        summary = supervise_shard(host, job, launched, FAST)
+    assert summary["samples_done"] == 1500
+
+
+@pytest.mark.parametrize("case", ["exit0_silent", "interpreter_missing", "dies_at_import", "log_unwritable"])
+def test_failed_launch_is_fast_and_says_why(env, case, tmp_path):
+    python = {"exit0_silent": "/bin/true", "interpreter_missing": "/nonexistent/bin/python3",
+              "dies_at_import": script(tmp_path / "py", f"mkdir -p {tmp_path}/broken/hsextract\n"
+                                       f"echo 'raise ImportError(\"broken on purpose\")' > "
+                                       f"{tmp_path}/broken/hsextract/__init__.py\n"
+                                       f"PYTHONPATH={tmp_path}/broken exec {sys.executable} \"$@\""),
+              "log_unwritable": sys.executable}[case]
+    job = job_for(env, "h2", python=python, run=f"bad-{case}")
+    if case == "log_unwritable":
+        Path(job.ctrl, "worker.log").mkdir(parents=True)
+    started = time.monotonic()
+    with open_host(env, "h2") as host, pytest.raises(ShardFailed) as failed:
+        launch_shard(host, job, FAST)
+    elapsed = time.monotonic() - started
+    message = str(failed.value)
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert "shard 0/1 on h2" in message
+    expect = {"exit0_silent": "exited at once, printing no STARTED line",
+              "interpreter_missing": "/nonexistent/bin/python3",
+              "dies_at_import": "broken on purpose",
+              "log_unwritable": "LOG UNWRITABLE"}[case]
+    assert expect in message, message
+
+
+def run_then(env, host_name, action, policy=FAST, run="x"):
+    """Launch a long shard, wait until it is extracting, apply `action(host, launched)`, supervise."""
+    job = job_for(env, host_name, run=run)
+    with open_host(env, host_name) as host:
+        launched = launch_shard(host, job, policy)
+        deadline = time.monotonic() + 60
+        while (supervise_probe := __import__("tasks.shards", fromlist=["probe"]).probe(host, job, 5)).heartbeat.get(
+                "phase") != "extracting":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        action(host, launched)
+        acted = time.monotonic()
+        with pytest.raises(ShardFailed) as failed:
+            supervise_shard(host, job, launched, policy)
+        return str(failed.value), time.monotonic() - acted, job, launched
+
+
+def test_kill9_is_lost_within_two_heartbeats(env):
+    message, detected, _, _ = run_then(env, "lo", lambda h, l: h.run(f"kill -9 {l.pid}", 5), run="kill9")
+    assert "lost" in message and "left no exit status" in message
+    assert detected < 2 * HEARTBEAT_S, f"{detected:.2f}s"
+
+
+def test_sigstop_is_stalled_within_two_heartbeats_and_killed(env):
+    message, detected, job, launched = run_then(env, "lo", lambda h, l: h.run(f"kill -STOP {l.pid}", 5),
+                                                run="stop")
+    assert "stalled" in message and "state T" in message
+    assert detected < 2 * HEARTBEAT_S + FAST.poll_interval_s, f"{detected:.2f}s"
+    time.sleep(0.5)
+    assert not Path(f"/proc/{launched.pid}").exists() or "Z" in Path(f"/proc/{launched.pid}/stat").read_text()
+
+
+def test_host_cut_off_mid_run_fails_within_deadline(env, farm):
+    if farm.host("h1").netns is None:
+        pytest.skip("network namespaces unavailable: cannot cut one host's link")
+    try:
+        message, detected, job, launched = run_then(env, "h1", lambda h, l: farm.cut("h1"), run="cut")
+    finally:
+        farm.restore("h1")
+    assert "host unreachable" in message
+    limit = FAST.host_timeout_s + FAST.command_timeout_s + 10
+    assert detected < limit, f"{detected:.1f}s"
+    with open_host(env, "h1") as host:  # the worker itself lived on; stop it
+        host.run(f"kill -9 {launched.pid}", 5)
+
+
+def test_two_launches_of_one_shard_adopt(env):
+    job = job_for(env, "h2", run="twice")
+    results, errors = [], []
+
+    def go():
+        try:
+            with open_host(env, "h2") as host:
+                results.append(launch_shard(host, job, FAST))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    assert sorted(r.adopted for r in results) == [False, True]
+    assert results[0].pid == results[1].pid
+    with open_host(env, "h2") as host:
+        third = launch_shard(host, job, FAST)
+        assert third.adopted and third.pid == results[0].pid
+        host.run(f"kill -9 {third.pid}", 5)
+
+
+def test_unknown_host_key_refused_unless_opted_in(env, farm, tmp_path):
+    entry = ssh_host_entry(farm.host("h2"), tmp_path / "w", known_hosts=str(farm.known_hosts_without("h2")))
+    inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
+    with SshHost(inventory.hosts[0], inventory) as host, pytest.raises(HostError) as err:
+        host.run("true", 5)
+    assert "not found in known_hosts" in str(err.value) and not err.value.transient
+    entry["known_hosts"] = str(farm.known_hosts_with_wrong_key("h2"))
+    inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
+    with SshHost(inventory.hosts[0], inventory) as host, pytest.raises(HostError) as err:
+        host.run("true", 5)
+    assert "BadHostKey" in str(err.value) or "does not match" in str(err.value)
+    entry.update(known_hosts=str(farm.known_hosts_without("h2")), accept_unknown_host_keys=True)
+    inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
+    with SshHost(inventory.hosts[0], inventory) as host:
+        assert host.run("echo hi", 5).stdout == "hi\n"
+
+
+def test_deploy_failures_name_host_and_cause(env, farm, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = {"put fails": dict(workdir=str(blocker / "w")),
+             "prints nothing": dict(python="/bin/true"),
+             "interpreter missing": dict(python="/nonexistent/python3")}
+    for case, change in cases.items():
+        entry = ssh_host_entry(farm.host("lo"), tmp_path / "w", **{k: v for k, v in change.items() if k != "workdir"})
+        entry.update({k: v for k, v in change.items() if k == "workdir"})
+        inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
+        with connect(inventory.hosts[0], inventory) as host, pytest.raises(DeployFailed) as failed:
+            deploy_host(host, env["bundle"], "0.1.0", timeout=30)
+        message = str(failed.value)
+        assert "host lo" in message, (case, message)
+        if case == "put fails":
+            assert "uploading the bundle" in message
+        elif case == "prints nothing":
+            assert "did not prove it" in message and "BUNDLE" in message
+        else:
+            assert "/nonexistent/python3" in message and re.search(r"not found|No such file", message)
