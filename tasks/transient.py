@@ -21,10 +21,8 @@ import re
 import socket
 
 try:  # only to name exception types
-    import paramiko
     from paramiko import ssh_exception as _pe
 except ImportError:  # pragma: no cover - paramiko is an orchestrate dependency
-    paramiko = None  # type: ignore[assignment]
     _pe = None  # type: ignore[assignment]
 try:
     from invoke import exceptions as _ie
@@ -57,12 +55,13 @@ _PERMANENT = [
     r"non-recoverable failure in name resolution",
     r"nodename nor servname provided",
     # Local files and keys: "No such file or directory", OpenSSH 'Load key "k": invalid format' /
-    # 'bad permissions' / "UNPROTECTED PRIVATE KEY FILE", paramiko "not a valid RSA private key file",
-    # "base64 decoding error: ...", "Invalid key", "private key file is encrypted", "Bad password or corrupt ...".
+    # 'error in libcrypto' / 'bad permissions' / "UNPROTECTED PRIVATE KEY FILE", paramiko "not a valid RSA
+    # private key file", "base64 decoding error: ...", "Invalid key", "private key file is encrypted",
+    # "Bad password or corrupt private key file".
     r"no such file or directory",
     r"invalid format",
     r"unprotected private key file",
-    r"load key .*: bad permissions",
+    r"load key \"[^\"]*\": ",  # OpenSSH: invalid format / bad permissions / error in libcrypto / ...
     r"not a valid \S+ private key file",
     r"base64 decoding error",
     r"invalid (public )?key",
