@@ -39,7 +39,8 @@ def check_bundle_cmd(workdir: str, digest: str, python: str) -> str:
     d = bundle_dir(workdir, digest)
     return (f"test -f {q(d + '/.complete')} || {{ echo 'NO BUNDLE'; exit 4; }}; "
             f"printf 'BUNDLE %s\\n' \"$(cat {q(d + '/.complete')})\" && "
-            f"PYTHONPATH={q(d + '/src')} {q(python)} -m hsextract --version")
+            f"PYTHONPATH={q(d + '/src')} {q(python)} -m hsextract --version && "
+            f"{{ cat {q(d + '/.env')} 2>/dev/null; true; }}")
 
 
 def unpack_bundle_cmd(workdir: str, digest: str) -> str:
@@ -53,12 +54,13 @@ def unpack_bundle_cmd(workdir: str, digest: str) -> str:
             f"rm -f {q(tar)}")
 
 
-def env_check_cmd(python: str) -> str:
-    """Prints `ENV {...}` with the worker-side package versions and the CUDA device count."""
+def env_check_cmd(python: str, workdir: str, digest: str) -> str:
+    """Prints `ENV {...}` (worker-side package versions, CUDA device count) and keeps it with the bundle."""
     code = ("import json, torch, transformers, safetensors; print('ENV ' + json.dumps({'torch': torch.__version__, "
             "'transformers': transformers.__version__, 'safetensors': safetensors.__version__, "
             "'cuda_devices': torch.cuda.device_count()}))")
-    return f"{q(python)} -c {q(code)}"
+    env = bundle_dir(workdir, digest) + "/.env"
+    return f"{q(python)} -c {q(code)} > {q(env + '.tmp')} && mv {q(env + '.tmp')} {q(env)} && cat {q(env)}"
 
 
 def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, worker_args: list[str]) -> str:

@@ -36,7 +36,7 @@ class Deployed:
 def _proof(host: Host, digest: str, python: str, expect_version: str, timeout: float):
     """(proved, result): proved when the host printed exactly this bundle's hash and the worker version."""
     result = host.run(check_bundle_cmd(host.spec.workdir, digest, python), timeout)
-    lines = result.stdout.split("\n")
+    lines = result.stdout.split("\n")  # BUNDLE <hash>, hsextract <version>, then ENV {...} once proved
     proved = result.ok and len(lines) >= 2 and lines[0] == f"BUNDLE {digest}" and lines[1] == f"hsextract {expect_version}"
     return proved, result
 
@@ -44,7 +44,7 @@ def _proof(host: Host, digest: str, python: str, expect_version: str, timeout: f
 def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0) -> Deployed:
     started = time.monotonic()
     python = host.spec.python
-    proved, _ = _proof(host, bundle.sha256, python, version, timeout)
+    proved, check = _proof(host, bundle.sha256, python, version, timeout)
     skipped = proved
     if not proved:
         tarball = bundle_dir(host.spec.workdir, bundle.sha256) + ".tar.gz"
@@ -62,7 +62,9 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
             raise DeployFailed(f"the bundle is on the host but `{python} -m hsextract --version` did not prove "
                                f"it (expected 'BUNDLE {bundle.sha256}' and 'hsextract {version}'); "
                                + check.describe())
-    env = host.run(env_check_cmd(python), timeout)
+    if skipped and (line := next((l for l in check.stdout.splitlines() if l.startswith("ENV ")), None)):
+        return Deployed(host.name, bundle.sha256, version, line[4:], True, round(time.monotonic() - started, 3))
+    env = host.run(env_check_cmd(python, host.spec.workdir, bundle.sha256), timeout)
     line = next((l for l in env.stdout.splitlines() if l.startswith("ENV ")), None)
     if not env.ok or line is None:
         raise DeployFailed(f"the host's python cannot import the worker's packages (torch, transformers, "

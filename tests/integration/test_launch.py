@@ -200,3 +200,19 @@ def test_deploy_failures_name_host_and_cause(env, farm, tmp_path):
             assert "did not prove it" in message and "BUNDLE" in message
         else:
             assert "/nonexistent/python3" in message and re.search(r"not found|No such file", message)
+
+
+def test_unchanged_bundle_is_skipped_changed_one_pushed(env, tmp_path):
+    import shutil
+
+    with open_host(env, "h2") as host:
+        again = deploy_host(host, env["bundle"], "0.1.0")
+        assert again.skipped and again.seconds < 3 and '"torch"' in again.environment
+        shutil.copytree(ROOT / "src", tmp_path / "src")
+        (tmp_path / "CHANGED").write_text("one more file")
+        changed = build_bundle(tmp_path)
+        assert changed.sha256 != env["bundle"].sha256
+        pushed = deploy_host(host, changed, "0.1.0")
+        assert not pushed.skipped and pushed.digest == changed.sha256
+        listing = host.run(f"cat {host.spec.workdir}/bundles/{changed.sha256}/CHANGED", 5)
+        assert listing.stdout == "one more file"
