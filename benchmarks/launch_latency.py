@@ -1,0 +1,147 @@
+"""How fast the orchestrator proves a launch, and how fast it notices a bad one.
+
+    .venv/bin/python benchmarks/launch_latency.py [--hosts 8] [--gpus 4] [--heartbeat 1.0]
+
+Real sshd hosts (network namespaces when available), a real Prefect server, the tiny model. Prints:
+  1. flow start -> Failed for a launch that prints nothing and exits 0    (goal < 10 s)
+  2. kill -9 of a running worker -> supervise says lost                   (goal < 2 heartbeat intervals)
+  3. SIGSTOP of a running worker -> supervise says stalled                (goal < 2 heartbeat intervals)
+  4. flow start -> all shards verified running, HOSTS x GPUS shards        (goal < 30 s), cold and warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+from helpers import ssh_host_entry, write_inventory  # noqa: E402
+from sshhosts import SshdFarm  # noqa: E402
+
+from flows.extract import extract  # noqa: E402
+from tasks.bundle import build_bundle  # noqa: E402
+from tasks.deploy import deploy_host  # noqa: E402
+from tasks.hosts import connect  # noqa: E402
+from tasks.inventory import parse_inventory  # noqa: E402
+from tasks.shards import Policy, ShardFailed, ShardJob, launch_shard, probe, supervise_shard  # noqa: E402
+
+
+def hsextract(*args):
+    subprocess.run([sys.executable, "-m", "hsextract", *args], check=True, capture_output=True)
+
+
+def silent_launch(work: Path, farm, model, data) -> float:
+    wrapper = work / "silent-python"
+    wrapper.write_text(f"#!/bin/sh\n[ \"$3\" = extract ] && exit 0\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    hosts = write_inventory(work / "silent.yaml", [ssh_host_entry(farm.host("b0"), work / "silent", gpus=[0],
+                                                                  python=str(wrapper))])
+    kwargs = dict(model=str(model), data=str(data), output=f"file://{work}/silent-out", hosts=str(hosts),
+                  layers="1,3", poll_interval_s=0.5)
+    extract(return_state=True, **kwargs)  # first call deploys the bundle; measure the launch path
+    started = time.monotonic()
+    state = extract(return_state=True, **kwargs)
+    assert state.is_failed() and "printing no STARTED line" in str(state.message) + repr(state.data), state
+    return time.monotonic() - started
+
+
+def detection(work: Path, farm, model, data, heartbeat: float) -> tuple[float, float]:
+    entry = ssh_host_entry(farm.host("b0"), work / "detect")
+    inventory = parse_inventory(write_inventory(work / "detect.yaml", [entry]).read_text())
+    policy = Policy(poll_interval_s=heartbeat / 4, stall_timeout_s=1.5 * heartbeat, command_timeout_s=5)
+    times = []
+    with connect(inventory.hosts[0], inventory) as host:
+        deploy_host(host, build_bundle(ROOT), "0.1.0")
+        for n, signal in enumerate(("KILL", "STOP")):
+            out = f"{work}/detect-out-{n}"
+            args = ("--model", str(model), "--data", str(data), "--out", out, "--layers", "1,3", "--token-budget",
+                    "128", "--heartbeat-interval", str(heartbeat), "--device", "cpu", "--progress", "log")
+            job = ShardJob(f"d{n}", 0, 1, "b0", 0, entry["workdir"], sys.executable, build_bundle(ROOT).sha256,
+                           out, args)
+            launched = launch_shard(host, job, policy)
+            while (probe(host, job, 5).heartbeat or {}).get("phase") != "extracting":
+                time.sleep(0.1)
+            host.run(f"kill -{signal} {launched.pid}", 5)
+            acted = time.monotonic()
+            try:
+                supervise_shard(host, job, launched, policy)
+            except ShardFailed:
+                times.append(time.monotonic() - acted)
+    return times[0], times[1]
+
+
+def all_running(work: Path, farm, model, data, num_hosts: int, gpus: int, tag: str) -> float:
+    """Run the flow in a thread; time from its start until every launch task has proved its shard."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
+
+    entries = [ssh_host_entry(farm.host(f"b{i}"), work / f"fleet-{i}", gpus=range(gpus)) for i in range(num_hosts)]
+    hosts = write_inventory(work / "fleet.yaml", entries)
+    name = f"fleet-{tag}"
+    flow_fn = extract.with_options(flow_run_name=name)
+    thread = threading.Thread(target=flow_fn, kwargs=dict(
+        model=str(model), data=str(data), output=f"file://{work}/fleet-out-{tag}", hosts=str(hosts),
+        layers="1,3", token_budget=64, heartbeat_interval_s=1.0, poll_interval_s=1.0, return_state=True,
+        run_name=name), daemon=True)
+    started = time.monotonic()
+    thread.start()
+    shards = num_hosts * gpus
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
+                                         task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="launch-shard-")))
+            done = [r for r in runs if r.state and r.state.is_completed()]
+            failed = [r for r in runs if r.state and r.state.is_failed()]
+            assert not failed, [r.state.message for r in failed]
+            if len(done) == shards:
+                elapsed = time.monotonic() - started
+                break
+            assert time.monotonic() - started < 300
+            time.sleep(0.2)
+    subprocess.run(["pkill", "-9", "-f", f"{work}/fleet-out-{tag}"])  # the point was the launch; stop them
+    thread.join(timeout=120)
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", type=int, default=8)
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--heartbeat", type=float, default=1.0)
+    args = ap.parse_args()
+    from prefect.testing.utilities import prefect_test_harness
+
+    work = Path(tempfile.mkdtemp(prefix="hsx-launch-"))
+    model, data = work / "model", work / "data.jsonl"
+    hsextract("make-tiny", "--model", str(model), "--data", str(data), "--samples", "3000")
+    with SshdFarm() as farm, prefect_test_harness(server_startup_timeout=120):
+        for i in range(args.hosts):
+            farm.add_host(f"b{i}", netns=True)
+        kind = "network namespaces" if farm.host("b0").netns else "loopback ports"
+        silent = silent_launch(work, farm, model, data)
+        killed, stalled = detection(work, farm, model, data, args.heartbeat)
+        cold = all_running(work, farm, model, data, args.hosts, args.gpus, "cold")
+        warm = all_running(work, farm, model, data, args.hosts, args.gpus, "warm")
+    n = args.hosts * args.gpus
+    print(f"\n{args.hosts} sshd hosts ({kind}), real Prefect server, heartbeat {args.heartbeat:.1f}s, "
+          f"{os.cpu_count()} CPU cores")
+    print(f"{'measure':<62}{'seconds':>9}  goal")
+    print(f"{'flow start -> Failed, launch prints nothing and exits 0':<62}{silent:>9.2f}  < 10")
+    print(f"{'kill -9 -> lost':<62}{killed:>9.2f}  < {2 * args.heartbeat:.1f}")
+    print(f"{'SIGSTOP -> stalled (and killed)':<62}{stalled:>9.2f}  < {2 * args.heartbeat:.1f}")
+    print(f"{f'flow start -> all {n} shards verified running, first deploy':<62}{cold:>9.2f}  < 30")
+    print(f"{f'flow start -> all {n} shards verified running, bundle in place':<62}{warm:>9.2f}  < 30")
+
+
+if __name__ == "__main__":
+    main()
