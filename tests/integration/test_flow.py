@@ -92,3 +92,16 @@ def test_bad_parameters_rejected_before_anything_runs(prefect_server, tmp_path):
     state = run_flow(model="m", data="d", output="file:///tmp/x", hosts=str(hosts))
     message = str(pytest.raises(Exception, state.result).value)
     assert state.is_failed() and "host x.gpus" in message and "host x.workdir" in message
+
+
+def test_inventory_from_a_block(prefect_server, tiny_model, data, tmp_path):
+    from tasks.blocks import HostInventory
+
+    text = (f"hosts:\n  - name: local\n    hostname: local\n    gpus: [0]\n    workdir: {tmp_path / 'w'}\n"
+            f"    python: {sys.executable}\n")
+    HostInventory(yaml=text).save("test-fleet", overwrite=True)
+    state = run_flow(model=str(tiny_model), data=str(data), output=f"file://{tmp_path / 'out'}", hosts="test-fleet",
+                     layers="1,3")
+    assert state.is_completed(), state.message
+    state = run_flow(model=str(tiny_model), data=str(data), output=f"file://{tmp_path / 'o2'}", hosts="no-such-block")
+    assert "neither an inventory file nor a HostInventory block" in str(pytest.raises(Exception, state.result).value)
