@@ -120,29 +120,54 @@ def extract(
                     stall_timeout_s=stall_timeout_s, host_timeout_s=host_timeout_s)
 
     bundle = build_bundle(ROOT)
-    version = worker_version()
-    deploys = {h.name: deploy.submit(h.name, inventory, bundle, version) for h in inventory.hosts if todo}
+    healthy, failures = deploy_hosts(inventory, bundle, worker_version()) if todo else (set(), {})
+    args = worker_args(model, data, out_dir, layers, max_length, token_budget, device, heartbeat_interval_s)
+
+    def job_on(slot: tuple[str, int], shard: int) -> ShardJob:
+        spec = inventory.host(slot[0])
+        return ShardJob(run, shard, num_shards, slot[0], slot[1], spec.workdir, spec.python, bundle.sha256,
+                        out_dir, args)
+
+    free = deque(slot for slot in slots if slot[0] in healthy)
+    outcomes, shard_failures = run_shards(todo, free, job_on, inventory, policy)
+    outcomes.update({s: "done (already complete)" for s in already})
+    failures.update(shard_failures)
+    summary = {"run_name": run, "output": output, "num_shards": num_shards,
+               "shards": {str(s): outcomes.get(s, "failed") for s in requested}}
+    if failures:
+        text = "\n".join(f"- {where}: {why}" for where, why in sorted(failures.items()))
+        raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}:\n{text}")
+    log.info("run %s: all %d requested shard(s) complete", run, len(requested))
+    return summary
+
+
+def deploy_hosts(inventory: Inventory, bundle, version: str) -> tuple[set[str], dict[str, str]]:
+    """Deploy to every host concurrently: (healthy host names, {"host X": why} for the others)."""
+    futures = {h.name: deploy.submit(h.name, inventory, bundle, version) for h in inventory.hosts}
     healthy, failures = set(), {}
-    for name, future in deploys.items():
+    for name, future in futures.items():
         future.wait()
         if future.state.is_completed():
             healthy.add(name)
         else:
             failures[f"host {name}"] = _message(future.state)
-    free = deque(slot for slot in slots if slot[0] in healthy)
-    args = worker_args(model, data, out_dir, layers, max_length, token_budget, device, heartbeat_interval_s)
-    outcomes: dict[int, str] = {s: "done (already complete)" for s in already}
-    active: dict = {}  # wrapped concurrent future -> (prefect future, stage, job, slot)
+    return healthy, failures
+
+
+def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: Policy):
+    """Launch then supervise each shard on a free GPU slot; a slot takes the next shard when it frees up.
+
+    Futures are passed on as values, never as `wait_for`, so no task is ever left Pending or NotReady.
+    Returns ({shard: "done"}, {"shard N": why}).
+    """
+    outcomes, failures = {}, {}
     if todo and not free:
-        for shard in todo:
-            failures[f"shard {shard}"] = "no healthy host to run it on"
-        todo.clear()
+        return outcomes, {f"shard {s}": "no healthy host to run it on" for s in todo}
+    active: dict = {}  # wrapped concurrent future -> (prefect future, stage, job, slot)
     while todo or active:
         while todo and free:
-            host_name, gpu = slot = free.popleft()
-            spec = inventory.host(host_name)
-            job = ShardJob(run, todo.popleft(), num_shards, host_name, gpu, spec.workdir, spec.python,
-                           bundle.sha256, out_dir, args)
+            slot = free.popleft()
+            job = job_on(slot, todo.popleft())
             future = launch.submit(job, inventory, policy)
             active[future.wrapped_future] = (future, "launch", job, slot)
         done, _ = cf.wait(list(active), timeout=5, return_when=cf.FIRST_COMPLETED)
@@ -159,13 +184,7 @@ def extract(
                 outcomes[job.shard] = "done"
             else:
                 failures[f"shard {job.shard}"] = _message(state)
-    summary = {"run_name": run, "output": output, "num_shards": num_shards,
-               "shards": {str(s): outcomes.get(s, "failed") for s in requested}}
-    if failures:
-        text = "\n".join(f"- {where}: {why}" for where, why in sorted(failures.items()))
-        raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}:\n{text}")
-    log.info("run %s: all %d requested shard(s) complete", run, len(requested))
-    return summary
+    return outcomes, failures
 
 
 def _message(state) -> str:
