@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import threading
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,7 @@ class LocalHost(Host):
 
     def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
         target = Path(path)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -183,7 +184,7 @@ class SshHost(Host):
         return self._guarded(command, self.timeouts.connect_s + timeout, go)
 
     def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # unique per call: concurrent puts of one path
 
         def go(conn):
             sftp = conn.sftp()

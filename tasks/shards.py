@@ -98,10 +98,11 @@ def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
     command = launch_cmd(job.ctrl, job.workdir, job.digest, job.python, job.gpu, job.argv())
     result = host.run(command, policy.command_timeout_s)
     words = result.stdout.split()
-    if not result.ok or len(words) < 3 or words[0] not in ("LAUNCHED", "ADOPT"):
+    if not result.ok or len(words) < 2 or words[0] not in ("LAUNCHED", "ADOPT") or not words[1].isdigit():
         what = "launch printed nothing" if not (result.stdout + result.stderr).strip() else "launch failed"
         raise _failure(job, what, result=result)
-    pid, start, adopted = int(words[1]), words[2], words[0] == "ADOPT"
+    # no start time: the process was gone before the launcher could read /proc; the probe says why
+    pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"
     while True:
         state = probe(host, job, policy.command_timeout_s)
         elapsed = time.monotonic() - started

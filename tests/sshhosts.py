@@ -23,6 +23,7 @@ import functools
 import getpass
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-__all__ = ["SshHost", "SshdFarm", "SshdError", "netns_supported", "clean_stale_namespaces"]
+__all__ = ["SshHost", "SshdFarm", "SshdError", "netns_supported", "clean_stale"]
 
 SSHD = "/usr/sbin/sshd"
 NS_PREFIX = "hsx-"
@@ -82,7 +83,7 @@ class SshHost:
             "GlobalKnownHostsFile": "/dev/null",
             "StrictHostKeyChecking": "yes",
             "BatchMode": "yes",
-            "ConnectTimeout": str(int(connect_timeout) if float(connect_timeout).is_integer() else connect_timeout),
+            "ConnectTimeout": str(max(1, math.ceil(connect_timeout))),  # whole seconds only
             "IdentitiesOnly": "yes",
             "IdentityAgent": "none",
             "GSSAPIAuthentication": "no",
@@ -167,6 +168,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _probe_ssh_port(host: str, port: int, timeout: float = 0.5) -> str | None:
+    """None if an SSH server greets on host:port, else what went wrong."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"SSH-2.0-hsx-probe\r\n")  # so sshd does not log "kex_exchange_identification" errors
+            banner = s.recv(64)  # a real sshd greets first; guards against a foreign listener
+    except OSError as e:
+        return f"TCP: {e}"
+    return None if banner.startswith(b"SSH-") else f"no SSH banner ({banner!r})"
+
+
 def _keygen(path: Path, comment: str) -> str:
     """Make an ed25519 key pair at ``path``; return the public key as ``ssh-ed25519 AAAA...``."""
     _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)])
@@ -226,26 +239,50 @@ def netns_supported() -> bool:
         return False
 
 
-def clean_stale_namespaces() -> list[str]:
-    """Delete ``hsx-<pid>-*`` namespaces (and ``hsxv*`` links) left by processes that no longer exist; return them."""
+def _procs_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (sshd rewrites its title but keeps the config path in it)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if text in Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    out.append(int(entry))
+    return out
+
+
+def clean_stale() -> list[str]:
+    """Remove what farms of dead processes left: ``hsx-<pid>-*`` namespaces (killing what runs inside), their
+    ``hsxv*/hsxs*`` links, ``hsx-sshd-<pid>-*`` temp dirs and sshds still running from them. Returns what went."""
+    removed: list[str] = []
+    for d in Path(tempfile.gettempdir()).glob("hsx-sshd-*-*"):
+        m = re.match(r"^hsx-sshd-(\d+)-", d.name)
+        if not m or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))) or not d.is_dir():
+            continue
+        pids = [p for p in _procs_mentioning(f"{d}/") if p != os.getpid()]
+        _kill(pids)
+        _wait_gone(pids, 2.0)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
     if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None:
-        return []
-    removed = []
+        return removed
     with _netns_lock():
         for ns in _ns_list():
             m = _NS_RE.match(ns)
             if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
                 _delete_ns(ns)
                 removed.append(ns)
-        # Root-side veth ends carry their namespace's name as alias; drop any whose owner is dead.
+        # Root-side links carry their namespace's name as alias; drop any whose owner is dead.
         with contextlib.suppress(ValueError, SshdError, OSError):
             for link in json.loads(_run(["ip", "-j", "link", "show"]).stdout or "[]"):
                 name, alias = link.get("ifname", ""), link.get("ifalias", "")
                 m = _NS_RE.match(alias or "")
                 if _LINK_RE.match(name) and m and not _pid_alive(int(m.group(1))):
-                    _run(["ip", "link", "del", name], check=False)
-                    removed.append(name)
+                    if _run(["ip", "link", "del", name], check=False).returncode == 0:
+                        removed.append(name)
     return removed
+
+
+clean_stale_namespaces = clean_stale  # the name an earlier revision exported
 
 
 def _used_subnets() -> set[int]:
@@ -282,24 +319,33 @@ class SshdFarm:
     """A temp dir of keys and configs plus one running sshd per added host; ``close()`` removes all of it.
 
     One ed25519 user key (``user_key``) logs in to every host as the current user; ``known_hosts`` lists every
-    host's key. Use as a context manager. sshd processes die with the creating thread (``setpriv --pdeathsig``),
-    and stale ``hsx-<pid>-*`` namespaces of dead processes are removed when a farm starts.
+    host's key. Use as a context manager. If the process dies without closing the farm, its sshds get SIGKILL
+    from the kernel (``setpriv --pdeathsig``; tied to the thread that added the host), and the next farm to start
+    removes the namespaces, links and temp dirs it left (``clean_stale``).
     """
 
-    def __init__(self, base_dir: Path | str | None = None, *, ready_timeout: float = _READY_TIMEOUT) -> None:
-        """Create the temp dir and the shared user key; clean stale namespaces of dead processes."""
+    def __init__(self, base_dir: Path | str | None = None, *, ready_timeout: float = _READY_TIMEOUT,
+                 skip_shell_rc: bool = True) -> None:
+        """Create the temp dir and the shared user key; clean stale namespaces of dead processes.
+
+        ``skip_shell_rc``: remote commands do not source the user's ~/.bashrc (sshd sets SHLVL=1), so the remote
+        environment is sshd's plain default (PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin).
+        """
         self.ready_timeout = ready_timeout
+        self.skip_shell_rc = skip_shell_rc
         self.user = getpass.getuser()
         self._hosts: dict[str, _HostState] = {}
         self._namespaces: list[str] = []
         self._links: list[str] = []
         self._closed = False
-        self.directory = Path(tempfile.mkdtemp(prefix="hsx-sshd-", dir=base_dir))
+        self._seq = itertools.count()
+        self._setpriv = shutil.which("setpriv")
+        self.directory = Path(tempfile.mkdtemp(prefix=f"hsx-sshd-{os.getpid()}-", dir=base_dir))
         atexit.register(self.close)
         try:
             if not Path(SSHD).exists():
                 raise SshdError(f"{SSHD} not found (install openssh-server)")
-            clean_stale_namespaces()
+            clean_stale()
             self.user_key = self.directory / "id_ed25519"
             self.user_public_key = _keygen(self.user_key, "hsx-farm-user")
             self.authorized_keys = self.directory / "authorized_keys"
@@ -308,9 +354,11 @@ class SshdFarm:
             self.known_hosts.write_text("")
             run_sshd = Path("/run/sshd")  # privilege separation directory, sshd refuses to start without it
             if not run_sshd.is_dir():
-                run_sshd.mkdir(mode=0o755, parents=True, exist_ok=True)
-                os.chmod(run_sshd, 0o755)
-            self._setpriv = shutil.which("setpriv")
+                try:
+                    run_sshd.mkdir(mode=0o755, parents=True, exist_ok=True)
+                    os.chmod(run_sshd, 0o755)
+                except PermissionError:  # not root: sshd will say so itself if it needs it
+                    pass
         except BaseException:
             self.close()
             raise
@@ -367,7 +415,7 @@ class SshdFarm:
             raise SshdError("farm is closed")
         if name in self._hosts:
             raise ValueError(f"host {name!r} already exists")
-        hdir = self.directory / "hosts" / f"{len(self._hosts):03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+        hdir = self.directory / "hosts" / f"{next(self._seq):03d}-{_safe(name)}"
         hdir.mkdir(parents=True)
         host_key = hdir / "ssh_host_ed25519_key"
         pub = _keygen(host_key, f"hsx-host-{name}")
@@ -453,9 +501,14 @@ class SshdFarm:
             "MaxSessions 100",
             "LogLevel ERROR",
             "UseDNS no",
+            "KexAlgorithms -sntrup761x25519-sha512*",  # post-quantum kex costs ~0.13 s of CPU per connection here
             "PrintMotd no",
             "PrintLastLog no",
             "X11Forwarding no",
+            # bash sources ~/.bashrc for non-interactive commands run by sshd unless SHLVL says it is nested. On
+            # this kind of machine root's .bashrc runs `pyenv init` (a locked `pyenv rehash`); concurrent or killed
+            # sessions then stall for up to 60 s on a stale lock and rewrite the shared shims under everyone.
+            *(["SetEnv SHLVL=1"] if self.skip_shell_rc else []),
             "",
         ]))
 
@@ -493,16 +546,9 @@ class SshdFarm:
             if time.monotonic() > deadline:
                 raise SshdError(f"sshd for {h.name!r} ({h.hostname}:{h.port}) not ready after "
                                 f"{self.ready_timeout:.0f}s; last: {last}\nsshd stderr:\n{self.sshd_log(h.name)}")
-            try:
-                with socket.create_connection((h.hostname, h.port), timeout=0.5) as s:
-                    s.settimeout(0.5)
-                    banner = s.recv(64)  # a real sshd greets first; guards against a foreign listener
-                if not banner.startswith(b"SSH-"):
-                    last = f"no SSH banner ({banner!r})"
-                    time.sleep(0.05)
-                    continue
-            except OSError as e:
-                last = f"TCP: {e}"
+            problem = _probe_ssh_port(h.hostname, h.port)
+            if problem:
+                last = problem
                 time.sleep(0.05)
                 continue
             left = max(1.0, deadline - time.monotonic())
@@ -518,7 +564,8 @@ class SshdFarm:
             time.sleep(0.1)
 
     def start(self, name: str) -> SshHost:
-        """(Re)start a stopped host's sshd with the same address, port and host key."""
+        """(Re)start a stopped host's sshd with the same address, port and host key (SshdError if the loopback
+        port was taken meanwhile)."""
         st = self._state(name)
         if st.proc is not None and st.proc.poll() is None:
             return st.host
@@ -564,14 +611,10 @@ class SshdFarm:
         if st.proc is None or st.proc.poll() is not None:
             return
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with socket.create_connection((st.host.hostname, st.host.port), timeout=0.5):
-                    return
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise SshdError(f"host {name!r} not reachable {timeout:.0f}s after restore: {e}") from None
-                time.sleep(0.05)
+        while problem := _probe_ssh_port(st.host.hostname, st.host.port):
+            if time.monotonic() > deadline:
+                raise SshdError(f"host {name!r} not reachable {timeout:.0f}s after restore: {problem}")
+            time.sleep(0.05)
 
     def is_cut(self, name: str) -> bool:
         """Whether ``cut(name)`` is in effect."""

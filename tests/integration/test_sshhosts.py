@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,8 +69,10 @@ def test_loopback_host_runs_a_command(lo_host):
     r = ssh(lo_host, "echo", "ok")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
-    r = ssh(lo_host, "id -un")
-    assert r.stdout.strip() == lo_host.user
+    r = ssh(lo_host, "id -un; echo $PATH")
+    user, path = r.stdout.split()
+    assert user == lo_host.user
+    assert ".pyenv" not in path  # ~/.bashrc is not sourced (skip_shell_rc)
 
 
 def test_known_hosts_format(farm, lo_host, lo2, any_ns_host):
@@ -204,13 +208,49 @@ def test_close_removes_everything():
     f.close()
     f.close()  # idempotent
     assert not set(namespaces) & set(ns_list())
-    assert not any(sshhosts._pid_alive(p) for p in pids)
+    assert all(gone(p) for p in pids)
     assert not directory.exists()
     leftover = links() & farm_links
     # Only links of other concurrently running farms may remain (none of ours: they carry our namespace names).
     for l in leftover:
         alias = Path(f"/sys/class/net/{l}/ifalias").read_text().strip()
         assert alias not in namespaces
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie counts: this machine's init may never reap orphans)."""
+    return not sshhosts._pid_alive(pid) or sshhosts._is_zombie(pid)
+
+
+CRASHER = """
+import json, sys, time
+import sshhosts
+f = sshhosts.SshdFarm()
+hosts = [f.add_host("a")] + ([f.add_host("b", netns=True)] if f.netns_available else [])
+print(json.dumps({"dir": str(f.directory), "pids": [h.sshd_pid for h in hosts],
+                  "ns": [h.netns for h in hosts if h.netns]}), flush=True)
+time.sleep(120)
+"""
+
+
+def test_leftovers_of_a_killed_process_are_cleaned():
+    proc = subprocess.Popen([sys.executable, "-c", CRASHER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(sshhosts.__file__).parent)})
+    try:
+        info = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5
+    while not all(gone(p) for p in info["pids"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(gone(p) for p in info["pids"])  # parent-death signal
+    with SshdFarm():  # the next farm to start removes the leftovers (or a concurrent run already did)
+        pass
+    assert not Path(info["dir"]).exists()
+    assert not set(info["ns"]) & set(ns_list())
+    assert not any(re.fullmatch(r"hsx[vst]\d+", l) and Path(f"/sys/class/net/{l}/ifalias").read_text().strip()
+                   in info["ns"] for l in links())
 
 
 @NEEDS_NETNS
