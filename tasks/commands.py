@@ -63,12 +63,16 @@ def env_check_cmd(python: str, workdir: str, digest: str) -> str:
     return f"{q(python)} -c {q(code)} > {q(env + '.tmp')} && mv {q(env + '.tmp')} {q(env)} && cat {q(env)}"
 
 
-def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, worker_args: list[str]) -> str:
+def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, worker_args: list[str],
+               journal: str, wait_s: float = 5.0) -> str:
     """Start the worker detached (setsid, stdio to worker.log, stdin /dev/null) under a launch lock.
 
     Prints `ADOPT <pid> <start>` when the shard's worker is already alive (same pid and start time),
-    else `LAUNCHED <pid> <start>`; `LOCK BUSY` or `LOG UNWRITABLE` with a non-zero exit otherwise.
+    else `LAUNCHED <pid> <start>` after waiting on the host up to `wait_s` for its STARTED line and first
+    heartbeat (or its death), then the probe (see `probe_cmd`): launch and proof in one round trip.
+    `LOCK BUSY` or `LOG UNWRITABLE` with a non-zero exit otherwise.
     """
+    ticks = max(1, int(wait_s * 10))
     src = bundle_dir(workdir, digest) + "/src"
     argv = " ".join(q(a) for a in [python, "-m", "hsextract", "extract", *worker_args, "--status-dir", ctrl])
     return (
@@ -82,7 +86,10 @@ def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, work
         f"CUDA_VISIBLE_DEVICES={q(gpu)} PYTHONPATH={q(src)} PYTHONUNBUFFERED=1 "
         f"setsid {argv} >> worker.log 2>&1 < /dev/null 9>&- & "
         f"pid=$!; start=$({_proc_start('$pid')}); echo \"$pid\" > pid; echo \"$start\" > pid.start; "
-        f"echo \"LAUNCHED $pid $start\""
+        f"echo \"LAUNCHED $pid $start\"; i=0; while [ $i -lt {ticks} ]; do "
+        f"if grep -q '^STARTED' worker.log 2>/dev/null && [ -s heartbeat.json ]; then break; fi; "
+        f"kill -0 \"$pid\" 2>/dev/null || break; sleep 0.1; i=$((i+1)); done; "
+        f"{probe_cmd(ctrl, journal)}"
     )
 
 

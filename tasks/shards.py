@@ -95,16 +95,18 @@ def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
     started = time.monotonic()
     config = json.dumps({**asdict(job), "argv": job.argv()}, indent=1).encode()
     host.put(config, f"{job.ctrl}/launch.json", policy.command_timeout_s)
-    command = launch_cmd(job.ctrl, job.workdir, job.digest, job.python, job.gpu, job.argv())
-    result = host.run(command, policy.command_timeout_s)
-    words = result.stdout.split()
+    wait_s = min(5.0, policy.launch_timeout_s)
+    command = launch_cmd(job.ctrl, job.workdir, job.digest, job.python, job.gpu, job.argv(), job.journal, wait_s)
+    result = host.run(command, policy.command_timeout_s + wait_s)
+    first, _, rest = result.stdout.partition("\n")
+    words = first.split()
     if not result.ok or len(words) < 2 or words[0] not in ("LAUNCHED", "ADOPT") or not words[1].isdigit():
         what = "launch printed nothing" if not (result.stdout + result.stderr).strip() else "launch failed"
         raise _failure(job, what, result=result)
     # no start time: the process was gone before the launcher could read /proc; the probe says why
     pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"
+    state = parse_probe(rest) if rest.strip() else probe(host, job, policy.command_timeout_s)
     while True:
-        state = probe(host, job, policy.command_timeout_s)
         elapsed = time.monotonic() - started
         if state.pid != pid or state.pid_start != start:
             raise _failure(job, f"another launch replaced pid {pid} (now {state.pid})", state)
@@ -122,7 +124,8 @@ def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
             host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
             missing = "STARTED line" if not state.started_line else "heartbeat"
             raise _failure(job, f"no {missing} within {policy.launch_timeout_s:.0f}s; killed pid {pid}", state)
-        time.sleep(0.1 if elapsed < 2 else 0.5)
+        time.sleep(0.5)
+        state = probe(host, job, policy.command_timeout_s)
 
 
 def _exit_code(state: Probe) -> int | None:

@@ -14,7 +14,7 @@ def nasty(tmp_path) -> str:
 def test_every_value_is_quoted_and_nothing_else_runs(tmp_path):
     name = nasty(tmp_path)
     ctrl, workdir = str(tmp_path / name / "ctrl"), str(tmp_path / name)
-    cmd = launch_cmd(ctrl, workdir, "abc", "/bin/true", 3, ["--model", name, "--out", name])
+    cmd = launch_cmd(ctrl, workdir, "abc", "/bin/true", 3, ["--model", name, "--out", name], name, wait_s=0.2)
     assert "CUDA_VISIBLE_DEVICES=3 " in cmd and "setsid " in cmd and "< /dev/null" in cmd
     assert "9>&-" in cmd, "the worker must not inherit the launch lock"
     out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, cwd=tmp_path)
