@@ -81,33 +81,28 @@ def detection(work: Path, farm, model, data, heartbeat: float) -> tuple[float, f
 
 
 def all_running(work: Path, farm, model, data, num_hosts: int, gpus: int, tag: str) -> float:
-    """Run the flow in a thread; time from its start until every launch task has proved its shard."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
+    """Run the flow in a thread; time from calling it until it logs that every shard is verified running."""
+    import logging
 
+    proved = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if "verified running" in record.getMessage():
+                proved.set()
+
+    watch = Watch()
+    logging.getLogger("prefect.flow_runs").addHandler(watch)
     entries = [ssh_host_entry(farm.host(f"b{i}"), work / f"fleet-{i}", gpus=range(gpus)) for i in range(num_hosts)]
     hosts = write_inventory(work / "fleet.yaml", entries)
-    name = f"fleet-{tag}"
-    flow_fn = extract.with_options(flow_run_name=name)
-    thread = threading.Thread(target=flow_fn, kwargs=dict(
+    thread = threading.Thread(target=extract, kwargs=dict(
         model=str(model), data=str(data), output=f"file://{work}/fleet-out-{tag}", hosts=str(hosts),
-        layers="1,3", token_budget=64, heartbeat_interval_s=1.0, poll_interval_s=1.0, return_state=True,
-        run_name=name), daemon=True)
+        layers="1,3", token_budget=64, return_state=True, run_name=f"fleet-{tag}"), daemon=True)
     started = time.monotonic()
     thread.start()
-    shards = num_hosts * gpus
-    with get_client(sync_client=True) as client:
-        while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
-                                         task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="launch-shard-")))
-            done = [r for r in runs if r.state and r.state.is_completed()]
-            failed = [r for r in runs if r.state and r.state.is_failed()]
-            assert not failed, [r.state.message for r in failed]
-            if len(done) == shards:
-                elapsed = time.monotonic() - started
-                break
-            assert time.monotonic() - started < 300
-            time.sleep(0.2)
+    assert proved.wait(timeout=300), "the flow never reported all shards verified running"
+    elapsed = time.monotonic() - started
+    logging.getLogger("prefect.flow_runs").removeHandler(watch)
     subprocess.run(["pkill", "-9", "-f", f"{work}/fleet-out-{tag}"])  # the point was the launch; stop them
     thread.join(timeout=120)
     return elapsed

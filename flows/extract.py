@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import hashlib
 import re
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
@@ -163,6 +164,7 @@ def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: P
     outcomes, failures = {}, {}
     if todo and not free:
         return outcomes, {f"shard {s}": "no healthy host to run it on" for s in todo}
+    first_wave, proved, started = min(len(todo), len(free)), 0, time.monotonic()
     active: dict = {}  # wrapped concurrent future -> (prefect future, stage, job, slot)
     while todo or active:
         while todo and free:
@@ -176,6 +178,10 @@ def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: P
             future.wait()  # done already: this records the final state without asking the API
             state = future.state
             if stage == "launch" and state.is_completed():
+                proved += 1
+                if proved == first_wave:
+                    get_run_logger().info("all %d shard(s) of the first wave verified running, %.1fs after the "
+                                          "first launch", first_wave, time.monotonic() - started)
                 nxt = supervise.submit(job, state.result(), inventory, policy)
                 active[nxt.wrapped_future] = (nxt, "supervise", job, slot)
                 continue
