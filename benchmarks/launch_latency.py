@@ -92,7 +92,9 @@ def all_running(work: Path, farm, model, data, num_hosts: int, gpus: int, tag: s
                 proved.set()
 
     watch = Watch()
-    logging.getLogger("prefect.flow_runs").addHandler(watch)
+    flow_log = logging.getLogger("prefect.flow_runs")
+    flow_log.setLevel(logging.INFO)  # the line we wait for is INFO; PREFECT_LOGGING_LEVEL quiets the rest
+    flow_log.addHandler(watch)
     entries = [ssh_host_entry(farm.host(f"b{i}"), work / f"fleet-{i}", gpus=range(gpus)) for i in range(num_hosts)]
     hosts = write_inventory(work / "fleet.yaml", entries)
     thread = threading.Thread(target=extract, kwargs=dict(
