@@ -69,8 +69,10 @@ class ShardRun:
         """Drop temp files and batch files the journal does not name (a kill between rename and journal)."""
         journaled = {e["file"] for e in read_entries(self.cfg.shard_dir / "journal.jsonl") if e.get("kind") == "file"}
         for path in self.cfg.shard_dir.iterdir():
-            if path.name.endswith(".tmp") or (path.suffix == ".safetensors" and path.name not in journaled):
-                path.unlink()
+            half_written = path.name.endswith(".tmp") and (
+                path.name.startswith(".batch-") or not path.name.endswith(f".{os.getpid()}.tmp"))
+            if half_written or (path.suffix == ".safetensors" and path.name not in journaled):
+                path.unlink(missing_ok=True)  # never the heartbeat's own temp file: it shares this dir
         self.next_seq = 1 + max((int(name[6:12]) for name in journaled), default=0)
 
     # -- the run --------------------------------------------------------------------------------------

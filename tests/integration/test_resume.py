@@ -63,7 +63,7 @@ def test_kill9_repeatedly_then_rerun_exactly_once(tiny_model, big_dataset, tmp_p
     assert summary["samples_written"] == 400 - done_before, "finished samples are not recomputed"
     assert summary["samples_done"] == 400
     assert journaled_files(out) > before
-    assert not list(out.glob("shard-*/.*.tmp")), "no temp files survive"
+    assert not list(out.glob("shard-*/.batch-*.tmp")), "no temp files survive"
     assert_exactly_once(out, big_dataset)
 
 
@@ -98,7 +98,7 @@ def test_sigterm_finishes_cleanly_and_reports(tiny_model, big_dataset, tmp_path)
 
     status = json.loads((out / "shard-00000-of-00001" / "exit.json").read_text())
     assert status["code"] == 143 and "SIGTERM" in status["reason"]
-    assert not list(out.glob("shard-*/.*.tmp"))
+    assert not list(out.glob("shard-*/.batch-*.tmp"))
     journaled = {e["file"] for e in read_entries(out / "shard-00000-of-00001" / "journal.jsonl") if e["kind"] == "file"}
     on_disk = {p.name for p in out.glob("shard-*/batch-*.safetensors")}
     assert on_disk == journaled, "every file on disk is journaled and vice versa"
