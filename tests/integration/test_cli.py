@@ -92,7 +92,8 @@ def test_second_writer_of_a_shard_is_refused(tiny_model, dataset, tmp_path):
     first = subprocess.Popen(extract_cmd(tiny_model, dataset, out, 0, 1, "--token-budget", "128"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     beat = out / "shard-00000-of-00001" / HEARTBEAT_NAME
-    while not beat.exists():
+    # the first heartbeat comes before torch is imported; the lock is held from reading_data on
+    while not beat.exists() or json.loads(beat.read_text())["phase"] not in ("loading_model", "extracting"):
         assert first.poll() is None
         time.sleep(0.02)
     second = run_extract(tiny_model, dataset, out, 0, 1)
