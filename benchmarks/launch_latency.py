@@ -80,15 +80,18 @@ def detection(work: Path, farm, model, data, heartbeat: float) -> tuple[float, f
     return times[0], times[1]
 
 
-def all_running(work: Path, farm, model, data, num_hosts: int, gpus: int, tag: str) -> float:
-    """Run the flow in a thread; time from calling it until it logs that every shard is verified running."""
+def all_running(work: Path, farm, model, data, num_hosts: int, gpus: int, tag: str) -> tuple[float, float]:
+    """Run the flow in a thread: (seconds from calling it until it logs that every shard is verified
+    running, seconds of that from the first launch, as the flow's own log line says)."""
     import logging
+    import re
 
-    proved = threading.Event()
+    proved, launch_phase = threading.Event(), []
 
     class Watch(logging.Handler):
         def emit(self, record):
-            if "verified running" in record.getMessage():
+            if "verified running" in (text := record.getMessage()):
+                launch_phase.append(float(re.search(r"([0-9.]+)s after the first launch", text).group(1)))
                 proved.set()
 
     watch = Watch()
@@ -107,7 +110,7 @@ def all_running(work: Path, farm, model, data, num_hosts: int, gpus: int, tag: s
     logging.getLogger("prefect.flow_runs").removeHandler(watch)
     subprocess.run(["pkill", "-9", "-f", f"{work}/fleet-out-{tag}"])  # the point was the launch; stop them
     thread.join(timeout=120)
-    return elapsed
+    return elapsed, launch_phase[0]
 
 
 def main() -> None:
@@ -127,17 +130,18 @@ def main() -> None:
         kind = "network namespaces" if farm.host("b0").netns else "loopback ports"
         silent = silent_launch(work, farm, model, data)
         killed, stalled = detection(work, farm, model, data, args.heartbeat)
-        cold = all_running(work, farm, model, data, args.hosts, args.gpus, "cold")
-        warm = all_running(work, farm, model, data, args.hosts, args.gpus, "warm")
+        fleet = {tag: all_running(work, farm, model, data, args.hosts, args.gpus, tag) for tag in ("cold", "warm")}
     n = args.hosts * args.gpus
     print(f"\n{args.hosts} sshd hosts ({kind}), real Prefect server, heartbeat {args.heartbeat:.1f}s, "
           f"{os.cpu_count()} CPU cores")
-    print(f"{'measure':<62}{'seconds':>9}  goal")
-    print(f"{'flow start -> Failed, launch prints nothing and exits 0':<62}{silent:>9.2f}  < 10")
-    print(f"{'kill -9 -> lost':<62}{killed:>9.2f}  < {2 * args.heartbeat:.1f}")
-    print(f"{'SIGSTOP -> stalled (and killed)':<62}{stalled:>9.2f}  < {2 * args.heartbeat:.1f}")
-    print(f"{f'flow start -> all {n} shards verified running, first deploy':<62}{cold:>9.2f}  < 30")
-    print(f"{f'flow start -> all {n} shards verified running, bundle in place':<62}{warm:>9.2f}  < 30")
+    print(f"{'measure':<76}{'seconds':>9}  goal")
+    print(f"{'flow start -> Failed, launch prints nothing and exits 0':<76}{silent:>9.2f}  < 10")
+    print(f"{'kill -9 -> lost':<76}{killed:>9.2f}  < {2 * args.heartbeat:.1f}")
+    print(f"{'SIGSTOP -> stalled (and killed)':<76}{stalled:>9.2f}  < {2 * args.heartbeat:.1f}")
+    for tag, (seconds, launching) in fleet.items():
+        how = f"first deploy, {args.hosts} env checks" if tag == "cold" else "bundle in place"
+        print(f"{f'flow start -> all {n} shards verified running, {how}':<76}{seconds:>9.2f}  < 30")
+        print(f"{'  of which first launch -> all verified running':<76}{launching:>9.2f}")
 
 
 if __name__ == "__main__":

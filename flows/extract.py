@@ -8,9 +8,11 @@ complete shards are not redone (the worker resumes by sample id) and running one
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextvars
 import hashlib
 import re
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -158,38 +160,44 @@ def deploy_hosts(inventory: Inventory, bundle, version: str) -> tuple[set[str], 
 def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: Policy):
     """Launch then supervise each shard on a free GPU slot; a slot takes the next shard when it frees up.
 
-    Futures are passed on as values, never as `wait_for`, so no task is ever left Pending or NotReady.
-    Returns ({shard: "done"}, {"shard N": why}).
+    Each shard has a driver thread (with the flow's context) that calls the launch task, then the
+    supervise task, directly: a failed launch raises in its driver, so no task is ever left Pending or
+    NotReady, and results never queue behind one scheduler thread. Returns ({shard: "done"}, {"shard N": why}).
     """
+    if not todo:
+        return {}, {}
+    if not free:
+        return {}, {f"shard {s}": "no healthy host to run it on" for s in todo}
     outcomes, failures = {}, {}
-    if todo and not free:
-        return outcomes, {f"shard {s}": "no healthy host to run it on" for s in todo}
-    first_wave, proved, started = min(len(todo), len(free)), 0, time.monotonic()
-    active: dict = {}  # wrapped concurrent future -> (prefect future, stage, job, slot)
-    while todo or active:
-        while todo and free:
-            slot = free.popleft()
-            job = job_on(slot, todo.popleft())
-            future = launch.submit(job, inventory, policy)
-            active[future.wrapped_future] = (future, "launch", job, slot)
-        done, _ = cf.wait(list(active), timeout=5, return_when=cf.FIRST_COMPLETED)
-        for wrapped in done:
-            future, stage, job, slot = active.pop(wrapped)
-            future.wait()  # done already: this records the final state without asking the API
-            state = future.state
-            if stage == "launch" and state.is_completed():
-                proved += 1
-                if proved == first_wave:
-                    get_run_logger().info("all %d shard(s) of the first wave verified running, %.1fs after the "
-                                          "first launch", first_wave, time.monotonic() - started)
-                nxt = supervise.submit(job, state.result(), inventory, policy)
-                active[nxt.wrapped_future] = (nxt, "supervise", job, slot)
-                continue
-            free.append(slot)
-            if state.is_completed():
-                outcomes[job.shard] = "done"
-            else:
-                failures[f"shard {job.shard}"] = _message(state)
+    log = get_run_logger()
+    first_wave, started = min(len(todo), len(free)), time.monotonic()
+    proved, lock = [0], threading.Lock()
+
+    def drive(job: ShardJob) -> dict:
+        launched = launch(job, inventory, policy)
+        with lock:
+            proved[0] += 1
+            if proved[0] == first_wave:
+                log.info("all %d shard(s) of the first wave verified running, %.1fs after the first launch",
+                         first_wave, time.monotonic() - started)
+        return supervise(job, launched, inventory, policy)
+
+    active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
+    with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as pool:
+        while todo or active:
+            while todo and free:
+                slot = free.popleft()
+                job = job_on(slot, todo.popleft())
+                active[pool.submit(contextvars.copy_context().run, drive, job)] = (job, slot)
+            done, _ = cf.wait(list(active), return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                job, slot = active.pop(future)
+                free.append(slot)
+                try:
+                    future.result()
+                    outcomes[job.shard] = "done"
+                except Exception as exc:  # the task's own error: host, shard, command, output
+                    failures[f"shard {job.shard}"] = str(exc) or type(exc).__name__
     return outcomes, failures
 
 
