@@ -193,7 +193,7 @@ class ShardRun:
         ids = [s.id for s in batch]
         written = write_batch(self.cfg.shard_dir / name, tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
         self.journal.append({"kind": "file", "file": name, "ids": ids, "tokens": sum(lengths),
-                             "bytes": written.bytes, "sha256": written.sha256}, durable=True)
+                             "lengths": lengths, "bytes": written.bytes, "sha256": written.sha256}, durable=True)
         p = self.progress
         with self.counting:
             p.samples_done += len(batch)

@@ -1,9 +1,11 @@
 """The append-only per-shard journal: the only record of what exists.
 
 One JSON object per line in `<out>/<shard dir>/journal.jsonl`:
-  {"kind": "file", "file", "ids", "tokens", "bytes", "sha256", "time"}   written after the file is durable
+  {"kind": "file", "file", "ids", "tokens", "lengths", "bytes", "sha256", "time"}   after the file is durable
   {"kind": "skip", "id", "reason", "detail", "line", "time"}
   {"kind": "done", "summary": {...}, "time"}
+  {"kind": "lost", "file", "why", "time"}   appended by reconcile: the file is gone or corrupt in the store,
+                                            so its samples count as not written and a re-run redoes them
 A batch file that no "file" entry names does not exist. A torn last line (a kill mid-append) is ignored
 and cut off before the next append.
 """
@@ -98,8 +100,12 @@ def scan_output(out_dir: Path) -> OutputState:
     state = OutputState()
     for journal in sorted(out_dir.glob(f"shard-*/{JOURNAL_NAME}")):
         shard = journal.parent.name
-        for entry in read_entries(journal):
+        entries = list(read_entries(journal))
+        lost = {e["file"] for e in entries if e.get("kind") == "lost"}
+        for entry in entries:
             kind = entry.get("kind")
+            if kind == "file" and entry["file"] in lost:
+                continue
             if kind == "file":
                 state.files.append((shard, entry))
                 for sample_id in entry["ids"]:

@@ -62,6 +62,28 @@ def iter_records(path: str | Path) -> Iterator[Record | Bad]:
             yield parse_line(raw, line_no)
 
 
+def record_id(obj: dict) -> str:
+    """The sample id of a parsed record: its `id` (string or integer), else a hash of its content."""
+    raw_id = obj.get("id")
+    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
+        return str(raw_id)
+    return content_id(obj)
+
+
+def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
+    """(sample id, line) of every non-blank line, exactly the ids `iter_records` gives, without validating."""
+    with Path(path).open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield malformed_id(line_no), line_no
+                continue
+            yield (record_id(obj) if isinstance(obj, dict) else malformed_id(line_no)), line_no
+
+
 def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
     try:
         obj = json.loads(raw)
@@ -69,11 +91,7 @@ def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
         return Bad(malformed_id(line_no), line_no, "malformed_json", str(exc)[:200])
     if not isinstance(obj, dict):
         return Bad(malformed_id(line_no), line_no, "invalid_record", f"a JSON {type(obj).__name__}, not an object")
-    raw_id = obj.get("id")
-    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
-        sample_id = str(raw_id)
-    else:
-        sample_id = content_id(obj)
+    sample_id = record_id(obj)
     try:
         return _to_record(obj, sample_id, line_no)
     except _Invalid as exc:
