@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:  # `prefect deployment run` starts flows with the 
 from tasks.bundle import build_bundle  # noqa: E402
 from tasks.deploy import deploy  # noqa: E402
 from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory  # noqa: E402
+from tasks.reconcile import reconcile  # noqa: E402
 from tasks.shards import Policy, ShardJob, launch, supervise  # noqa: E402
 
 
@@ -102,6 +103,7 @@ def extract(
     stall_timeout_s: float = 60.0,
     poll_interval_s: float = 2.0,
     host_timeout_s: float = 60.0,
+    verify_checksums: bool = False,
 ):
     log = get_run_logger()
     if aws_credentials is not None:
@@ -141,7 +143,22 @@ def extract(
         text = "\n".join(f"- {where}: {why}" for where, why in sorted(failures.items()))
         raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}:\n{text}")
     log.info("run %s: all %d requested shard(s) complete", run, len(requested))
+    if Path(out_dir).is_dir() and Path(data).is_file():
+        checked = reconcile(out_dir, data, num_shards, verify_checksums, artifact_key=_artifact_key(run))
+        summary["reconcile"] = checked
+        if set(checked["shards_to_rerun"]) & set(requested):
+            raise RunIncomplete(f"run {run}: reconcile found {checked['missing']} sample(s) missing "
+                                f"({checked['missing_objects']} object(s) missing, {checked['corrupt_objects']} "
+                                f"corrupt); re-run shards {checked['shards_to_rerun']} (their journals now say "
+                                f"which files were lost, so a re-run redoes exactly those samples)")
+    else:
+        log.warning("run %s: reconcile skipped: the output or the dataset is not visible from the orchestrator "
+                    "(file:// output on remote hosts); S3 output makes every run reconcilable", run)
     return summary
+
+
+def _artifact_key(run: str) -> str:
+    return "reconcile-" + re.sub(r"[^a-z0-9-]", "-", run.lower())
 
 
 def deploy_hosts(inventory: Inventory, bundle, version: str) -> tuple[set[str], dict[str, str]]:

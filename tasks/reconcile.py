@@ -23,6 +23,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
 from hsextract.journal import JOURNAL_NAME
 from hsextract.records import iter_ids
 from hsextract.sharding import shard_of
@@ -298,3 +301,29 @@ def reconcile_output(store: Store, dataset_ids: Iterable[str], num_shards: int, 
 def dataset_ids(path: str | Path) -> Iterator[str]:
     for sample_id, _ in iter_ids(path):
         yield sample_id
+
+
+def _publish(report: Report, key: str) -> None:
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    create_table_artifact(report.table(), key=f"{key}-shards", description="reconcile: samples per shard")
+    create_markdown_artifact(report.markdown(), key=f"{key}-summary", description="reconcile summary")
+
+
+def reconcile_local(out_dir: str, data: str, num_shards: int, verify: bool = False, retract: bool = True,
+                    artifact_key: str | None = None) -> Report:
+    """Reconcile a file:// output against a dataset readable from here; publish artifacts when in a run."""
+    if not Path(data).is_file():
+        raise FileNotFoundError(f"reconcile: dataset {data!r} is not readable from the orchestrator")
+    report = reconcile_output(LocalStore(out_dir, verify=verify), dataset_ids(data), num_shards, retract=retract)
+    if artifact_key:
+        _publish(report, artifact_key)
+    return report
+
+
+@task(name="reconcile", cache_policy=NO_CACHE, task_run_name="reconcile-{num_shards}-shards")
+def reconcile(out_dir: str, data: str, num_shards: int, verify: bool = False, artifact_key: str = "reconcile") -> dict:
+    """Task: reconcile, publish a shard table and a markdown summary; the summary dict is the result."""
+    report = reconcile_local(out_dir, data, num_shards, verify=verify, retract=True, artifact_key=artifact_key)
+    get_run_logger().info("reconcile: %s", json.dumps(report.summary()))
+    return {**report.summary(), "missing_ids": {str(k): v[:100] for k, v in report.missing_ids.items()}}

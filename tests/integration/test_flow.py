@@ -56,6 +56,44 @@ def test_local_host_flow(prefect_server, tiny_model, data, tmp_path):
     assert len(list(hsextract.read_samples(tmp_path / "out"))) == 160
 
 
+def test_reconcile_seals_the_run_and_a_lost_object_is_redone(prefect_server, tiny_model, data, tmp_path):
+    import json
+
+    from prefect.client.orchestration import get_client
+
+    from tasks.reconcile import INDEX_NAME, SUCCESS_NAME
+
+    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0, 1],
+                                                       "workdir": str(tmp_path / "w"), "python": sys.executable}])
+    out = tmp_path / "out"
+    kwargs = dict(model=str(tiny_model), data=str(data), output=f"file://{out}", hosts=str(hosts), layers="1,3",
+                  token_budget=512, run_name="sealed")
+    state = run_flow(**kwargs)
+    assert state.is_completed(), state.message
+    rec = state.result()["reconcile"]
+    assert rec["complete"] and rec["sealed"] and rec["missing"] == 0 and (out / SUCCESS_NAME).is_file()
+    assert sum(1 for _ in (out / INDEX_NAME).open()) == rec["done"] == 160
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts()}
+    assert {"reconcile-sealed-shards", "reconcile-sealed-summary"} <= keys
+
+    # an object disappears from the store: reconcile fails the run naming the shard, the re-run redoes it
+    (out / SUCCESS_NAME).unlink()
+    journal = out / "shard-00001-of-00002" / "journal.jsonl"
+    lost = next(json.loads(l) for l in journal.read_text().splitlines() if '"kind":"file"' in l)
+    (journal.parent / lost["file"]).unlink()
+    state = run_flow(**kwargs)
+    assert state.is_failed()
+    message = str(pytest.raises(Exception, state.result).value)
+    assert f"reconcile found {len(lost['ids'])} sample(s) missing" in message and "re-run shards [1]" in message
+    state = run_flow(**kwargs)
+    assert state.is_completed(), state.message
+    rec = state.result()["reconcile"]
+    assert rec["complete"] and rec["sealed"] and rec["duplicated"] == 0
+    assert sorted(s["id"] for s in hsextract.read_samples(out)) == sorted(
+        json.loads(line)["id"] for line in (out / INDEX_NAME).open())
+
+
 def test_silent_launch_fails_flow_fast_with_reason(prefect_server, farm, tiny_model, data, tmp_path):
     # an interpreter that passes deploy's checks but exits 0 at once, printing nothing, when asked to extract
     wrapper = tmp_path / "python"
