@@ -119,6 +119,60 @@ class LocalStore(Store):
             os.close(fd)
 
 
+class S3Store(Store):
+    """`s3://bucket/prefix` through boto3 (any S3-compatible endpoint). `_SUCCESS` uses If-None-Match."""
+
+    def __init__(self, uri: str, client=None, verify: bool = False, **client_kwargs):
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        if not uri.startswith("s3://") or not bucket:
+            raise ValueError(f"output={uri!r}: expected s3://bucket/prefix")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        if client is None:
+            import boto3
+
+            client = boto3.client("s3", **client_kwargs)
+        self.client = client
+        self.verify = verify
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def list(self) -> Iterator[StoredObject]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base)
+        objects = [StoredObject(o["Key"][len(base):], o["Size"]) for page in pages for o in page.get("Contents", [])]
+        if not self.verify:
+            return iter(objects)
+        from concurrent.futures import ThreadPoolExecutor
+
+        def checked(obj: StoredObject) -> StoredObject:
+            if not obj.key.endswith(".safetensors"):
+                return obj
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(obj.key))
+            return StoredObject(obj.key, obj.size, head.get("Metadata", {}).get("sha256"))
+
+        with ThreadPoolExecutor(32) as pool:
+            return iter(list(pool.map(checked, objects)))
+
+    def read(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def create(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*",
+                                   ChecksumAlgorithm="SHA256")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+
+    def write(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumAlgorithm="SHA256")
+
+
 @dataclass
 class ShardReport:
     expected: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,31 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 HTTP endpoint: moto's ThreadedMotoServer on a free loopback port. Yields its URL."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, request):
+    """A boto3 client on the endpoint and a fresh bucket named after the test."""
+    import re
+
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-")
+    client.create_bucket(Bucket=bucket)
+    return client, bucket

@@ -106,3 +106,51 @@ def test_duplicate_copy_resolves_to_one_in_the_index(output, dataset):
     counts = Counter(e["id"] for e in index)
     assert all(counts[i] == 1 for i in entry["ids"])
     assert all(shard_of(i, 2) == 0 for i in entry["ids"])
+
+
+def upload(client, bucket: str, prefix: str, out) -> None:
+    """What the host-side uploader will do: every file under the output, sha256 kept as object metadata."""
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        key = f"{prefix}/{path.relative_to(out).as_posix()}"
+        extra = {"ChecksumAlgorithm": "SHA256"}
+        if path.suffix == ".safetensors":
+            from tasks.reconcile import sha256_file
+
+            extra["Metadata"] = {"sha256": sha256_file(path)}
+        client.upload_file(str(path), bucket, key, ExtraArgs=extra)
+
+
+def test_s3_store_reconciles_paginated_and_seals_with_if_none_match(output, dataset, s3):
+    from tasks.reconcile import S3Store
+
+    client, bucket = s3
+    upload(client, bucket, "runs/a", output)
+    client.put_object(Bucket=bucket, Key="runs/ab/stray.safetensors", Body=b"x")  # a sibling prefix is not ours
+    store = S3Store(f"s3://{bucket}/runs/a", client=client, verify=True)
+    store.client.meta.events.register("before-parameter-build.s3.ListObjectsV2",
+                                      lambda params, **_: params.setdefault("MaxKeys", 3))  # force many pages
+    report = reconcile_output(store, ids_of(dataset), 2)
+    assert report.complete and report.sealed and report.unjournaled_objects == 0
+    index = client.get_object(Bucket=bucket, Key=f"runs/a/{INDEX_NAME}")["Body"].read().decode().splitlines()
+    assert len(index) == report.done
+    # a second reconciler cannot claim _SUCCESS again: the conditional write refuses it
+    assert not store.create(SUCCESS_NAME, b"again")
+    again = reconcile_output(store, ids_of(dataset), 2)
+    assert again.already_sealed and not again.sealed
+
+
+def test_s3_object_deleted_or_altered_is_reported(output, dataset, s3):
+    from tasks.reconcile import S3Store
+
+    client, bucket = s3
+    upload(client, bucket, "p", output)
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"] if o["Key"].endswith(".safetensors")]
+    client.delete_object(Bucket=bucket, Key=keys[0])
+    body = client.get_object(Bucket=bucket, Key=keys[1])["Body"].read()
+    client.put_object(Bucket=bucket, Key=keys[1], Body=body[:-1] + bytes([body[-1] ^ 1]),
+                      Metadata={"sha256": "0" * 64})  # same size, other bytes
+    report = reconcile_output(S3Store(f"s3://{bucket}/p", client=client, verify=True), ids_of(dataset), 2)
+    assert not report.complete and not report.sealed
+    assert report.missing_objects == [keys[0].removeprefix("p/")]
+    assert report.corrupt_objects == [keys[1].removeprefix("p/")]
+    assert "_SUCCESS" not in {o["Key"].rsplit("/", 1)[-1] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
