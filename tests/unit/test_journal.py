@@ -177,3 +177,15 @@ def test_scan_output_ignores_torn_tail(tmp_path):
         handle.write(b'{"kind":"file","file":"batch-000002.safetensors","ids":["b"')
     state = scan_output(out)
     assert set(state.written) == {"a"}
+
+
+def test_lost_entry_retracts_a_file_so_its_samples_are_not_written(shard):
+    append_all(shard, [
+        {"kind": "file", "file": "batch-000000.safetensors", "ids": ["a", "b"], "bytes": 1, "sha256": "x"},
+        {"kind": "file", "file": "batch-000001.safetensors", "ids": ["c"], "bytes": 1, "sha256": "y"},
+        {"kind": "done", "summary": {}},
+        {"kind": "lost", "file": "batch-000000.safetensors", "why": "not in the store"},
+    ])
+    state = scan_output(shard.parent)
+    assert set(state.written) == {"c"} and not state.finished("a") and not state.finished("b")
+    assert [e["file"] for _, e in state.files] == ["batch-000001.safetensors"]

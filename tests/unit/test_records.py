@@ -184,3 +184,20 @@ def test_content_part_with_null_text_is_a_bad_record_not_a_crash():
     raw = line({"id": "n", "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]})
     bad = parse_line(raw, 1)
     assert isinstance(bad, Bad) and bad.reason == "invalid_record"
+
+
+def test_iter_ids_gives_exactly_the_ids_of_iter_records(tmp_path):
+    from hsextract.records import iter_ids
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join([
+        line({"id": "a", "messages": [{"role": "user", "content": "x"}]}),
+        line({"id": 7, "conversations": []}),             # invalid (empty) but keeps its id
+        line({"messages": [{"role": "user", "content": "no id"}]}),
+        "{not json",
+        "[1, 2]",
+        "",
+        line({"id": True, "input_ids": [1], "loss_mask": [1]}),  # a bool is not an id: content hash
+    ]) + "\n")
+    assert list(iter_ids(path)) == [(r.id, r.line) for r in iter_records(path)]
+    assert [i for i, _ in iter_ids(path)][:2] == ["a", "7"]
