@@ -34,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats")
     ex.add_argument("--log-interval", type=float, default=30.0, help="seconds between log lines (no terminal)")
     ex.add_argument("--progress", choices=("auto", "bar", "log"), default="auto")
+    ex.add_argument("--spool", type=Path, default=None,
+                    help="with --out s3://...: local directory for files waiting to upload (default: "
+                         "<status dir>/spool, else ./hsextract-spool)")
+    ex.add_argument("--spool-high-gb", type=float, default=64.0, help="pause extraction above this much waiting")
+    ex.add_argument("--spool-low-gb", type=float, default=32.0, help="resume it below this")
+    ex.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (default: AWS / $AWS_ENDPOINT_URL)")
+    ex.add_argument("--upload-part-mb", type=int, default=64, help="multipart part size")
     ex.add_argument("--retry-skipped", default="", metavar="REASONS",
                     help="comma-separated skip reasons to try again (e.g. oom,nonfinite_states)")
 
@@ -64,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         from .config import ExtractConfig
         from .liveness import Heartbeat, Progress
 
-        out = out_path(args.out)
+        upload = args.out if args.out.startswith("s3://") else None
+        out = out_path(args.out) if upload is None else (
+            args.spool or (args.status_dir / "spool" if args.status_dir else Path("hsextract-spool")))
         if out is None:
-            print(f"hsextract: --out {args.out!r}: only local paths and file:// are supported", file=sys.stderr)
+            print(f"hsextract: --out {args.out!r}: use a local path, file://... or s3://bucket/prefix",
+                  file=sys.stderr)
             return 2
         cfg = ExtractConfig(
             model=args.model, data=args.data, out=out, layers=args.layers, shard=args.shard,
@@ -75,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             include_last=args.include_last, status_dir=args.status_dir,
             heartbeat_interval=args.heartbeat_interval, log_interval=args.log_interval, progress=args.progress,
             retry_skipped=frozenset(r for r in args.retry_skipped.split(",") if r),
+            upload=upload, s3_endpoint=args.s3_endpoint, spool_high_bytes=int(args.spool_high_gb * 2**30),
+            spool_low_bytes=int(args.spool_low_gb * 2**30), upload_part_bytes=args.upload_part_mb << 20,
         )
         heartbeat = Heartbeat(cfg.status_path, Progress(args.shard, args.num_shards, __version__),
                               args.heartbeat_interval)

@@ -34,6 +34,11 @@ class ExtractConfig:
     log_interval: float = 30.0
     progress: str = "auto"  # auto | bar | log
     retry_skipped: frozenset[str] = frozenset()  # skip reasons to try again (e.g. oom on a bigger GPU)
+    upload: str | None = None          # s3://bucket/prefix: `out` is then the local spool
+    s3_endpoint: str | None = None     # S3-compatible endpoint (default: AWS, or $AWS_ENDPOINT_URL)
+    spool_high_bytes: int = 64 << 30   # extraction pauses when this much waits for upload...
+    spool_low_bytes: int = 32 << 30    # ...and resumes below this
+    upload_part_bytes: int = 64 << 20
 
     @property
     def shard_dir(self) -> Path:
@@ -58,6 +63,13 @@ class ExtractConfig:
             raise UsageError(f"--overlong {self.overlong!r}: choose one of {OVERLONG_POLICIES}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r}: choose one of {DTYPES}")
+        if self.upload is not None and not (self.upload.startswith("s3://") and self.upload[5:].split("/")[0]):
+            raise UsageError(f"--out {self.upload!r}: expected s3://bucket/prefix")
+        if not 0 < self.spool_low_bytes <= self.spool_high_bytes:
+            raise UsageError(f"--spool-low-gb/--spool-high-gb: need 0 < low <= high "
+                             f"(got {self.spool_low_bytes / 2**30:g} and {self.spool_high_bytes / 2**30:g})")
+        if self.upload_part_bytes < 5 << 20:
+            raise UsageError(f"--upload-part-mb {self.upload_part_bytes >> 20}: S3 parts are at least 5 MB")
         if not self.data.is_file():
             raise UsageError(f"--data {str(self.data)!r}: no such file")
 

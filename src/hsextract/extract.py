@@ -45,6 +45,7 @@ class ShardRun:
         self.journal: Journal | None = None
         self.started = time.time()
         self.counting = threading.Lock()  # progress is updated by the main and the writer thread
+        self.uploader = None  # BackgroundUploader when the output is s3://
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
@@ -79,8 +80,12 @@ class ShardRun:
     def run(self, layer_ids: list[int]) -> dict:
         cfg = self.cfg
         self.lock()
+        if cfg.upload:
+            self.start_uploader()
         self.clean_shard_dir()
         self.journal = Journal(cfg.shard_dir)
+        if self.uploader:
+            self.resume_uploads()
         self.progress.phase = "reading_data"
         pending = self.pending_records()
         if not pending:
@@ -108,6 +113,25 @@ class ShardRun:
         if self.stop_signal:
             raise Interrupted(self.stop_signal)
         return self.finish()
+
+    def start_uploader(self) -> None:
+        from .upload import BackgroundUploader, Spool, fetch_journals, s3_client
+
+        cfg = self.cfg
+        client = s3_client(cfg.s3_endpoint)
+        fetch_journals(client, cfg.upload, cfg.out)  # what every earlier run put in the store counts as done
+        spool = Spool(cfg.spool_high_bytes, cfg.spool_low_bytes, self.progress)
+        self.uploader = BackgroundUploader(client, cfg.upload, cfg.shard_dir, spool, cfg.upload_part_bytes)
+
+    def resume_uploads(self) -> None:
+        """Journaled files still on local disk were not verified in the store yet: send them first.
+        Journaled files that are gone were deleted after their verification: they are in the store."""
+        for entry in read_entries(self.cfg.shard_dir / "journal.jsonl"):
+            if entry.get("kind") == "file":
+                if (self.cfg.shard_dir / entry["file"]).exists():
+                    self.uploader.submit(entry)
+                else:
+                    self.uploader.uploaded.add(entry["file"])
 
     def pending_records(self) -> list[Record | Bad]:
         """This shard's records not yet written or skipped by any run; records duplicates as skipped."""
@@ -191,9 +215,15 @@ class ShardRun:
             "cu_seqlens": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
         }
         ids = [s.id for s in batch]
+        if self.uploader:  # bounded local disk: over the high-water mark, wait for uploads to catch up
+            self.uploader.spool.wait_for_room(self.uploader.failed)
+            self.uploader.raise_if_failed()
         written = write_batch(self.cfg.shard_dir / name, tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
-        self.journal.append({"kind": "file", "file": name, "ids": ids, "tokens": sum(lengths),
-                             "lengths": lengths, "bytes": written.bytes, "sha256": written.sha256}, durable=True)
+        entry = {"kind": "file", "file": name, "ids": ids, "tokens": sum(lengths), "lengths": lengths,
+                 "bytes": written.bytes, "sha256": written.sha256}
+        self.journal.append(entry, durable=True)
+        if self.uploader:
+            self.uploader.submit(entry)
         p = self.progress
         with self.counting:
             p.samples_done += len(batch)
@@ -204,6 +234,9 @@ class ShardRun:
             p.last_batch = name
 
     def finish(self) -> dict:
+        if self.uploader:
+            self.progress.phase = "uploading"
+            self.uploader.drain()  # every file verified in the store, or the upload error
         state = scan_output(self.cfg.out)
         missing = [i for i in self.assigned if not state.finished(i)]
         if missing:
@@ -212,6 +245,8 @@ class ShardRun:
         summary = self.summary()
         self.journal.append({"kind": "done", "summary": summary}, durable=True)
         write_json_atomic(self.cfg.shard_dir / "summary.json", summary)
+        if self.uploader:
+            self.uploader.mirror_journal()
         return summary
 
     def summary(self) -> dict:
@@ -224,6 +259,9 @@ class ShardRun:
             "skipped": dict(self.skips), "tokens": p.tokens_done, "files": p.files, "bytes": p.bytes,
             "forward_passes": p.forward_passes, "seconds": round(seconds, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
+            **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,
+                           "paused_s": round(self.uploader.spool.paused_s, 3),
+                           "max_spool_bytes": self.uploader.spool.max_pending}} if self.uploader else {}),
         }
 
 

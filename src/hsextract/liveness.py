@@ -56,6 +56,9 @@ class Progress:
     bytes: int = 0
     forward_passes: int = 0
     last_batch: str | None = None
+    spool_bytes: int = 0        # written, waiting for upload (s3:// output)
+    upload_paused: bool = False  # extraction waits for uploads (spool over its high-water mark)
+    files_uploaded: int = 0
     started_at: float = field(default_factory=time.time)
     extract_started_at: float | None = None
 

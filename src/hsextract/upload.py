@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+import os
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,3 +108,150 @@ def upload_verified(client, path: Path, bucket: str, key: str, journal_sha256: s
     if delete:
         path.unlink()
     return Uploaded(key, size, full, max(1, len(parts)) if multipart else 1, stored)
+
+
+class Spool:
+    """Bytes written locally but not yet uploaded. Above `high` the writer waits until below `low`."""
+
+    def __init__(self, high: int, low: int, progress=None):
+        if not 0 < low <= high:
+            raise ValueError(f"spool low-water mark {low} must be in 1..high-water mark {high}")
+        self.high, self.low = high, low
+        self.progress = progress  # its spool_bytes / upload_paused are kept current for the heartbeat
+        self.pending = 0
+        self.max_pending = 0
+        self.paused = False
+        self.paused_s = 0.0
+        self._cond = threading.Condition()
+
+    def _publish(self) -> None:
+        if self.progress is not None:
+            self.progress.spool_bytes, self.progress.upload_paused = self.pending, self.paused
+
+    def add(self, n: int) -> None:
+        with self._cond:
+            self.pending += n
+            self.max_pending = max(self.max_pending, self.pending)
+            self._publish()
+
+    def remove(self, n: int) -> None:
+        with self._cond:
+            self.pending -= n
+            self._publish()
+            self._cond.notify_all()
+
+    def wait_for_room(self, failed: threading.Event) -> None:
+        """Block while over the high-water mark, until under the low one (or the uploader failed)."""
+        with self._cond:
+            if self.pending < self.high:
+                return
+            self.paused, started = True, time.monotonic()
+            self._publish()
+            while self.pending > self.low and not failed.is_set():
+                self._cond.wait(0.5)
+            self.paused = False
+            self._publish()
+            self.paused_s += time.monotonic() - started
+
+
+class BackgroundUploader:
+    """Uploads journaled batch files of one shard while extraction goes on, then mirrors its journal.
+
+    The mirrored journal (`<prefix>/<shard dir>/journal.jsonl`) names only files already verified in the
+    store, so a journal in S3 never claims an object that is not there. The local file is deleted only
+    after `upload_verified` matched it. Errors stop the uploader; `raise_if_failed`/`drain` surface them.
+    """
+
+    def __init__(self, client, uri: str, shard_dir: Path, spool: Spool, part_size: int = 64 << 20,
+                 concurrency: int = 8):
+        self.client = client
+        self.bucket, self.prefix = split_uri(uri)
+        self.shard_dir = shard_dir
+        self.spool = spool
+        self.part_size, self.concurrency = part_size, concurrency
+        self.uploaded: set[str] = set()
+        self.files_uploaded = 0
+        self.bytes_uploaded = 0
+        self.error: BaseException | None = None
+        self.failed = threading.Event()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="hsextract-uploader", daemon=True)
+        self._thread.start()
+
+    def key(self, name: str) -> str:
+        rel = f"{self.shard_dir.name}/{name}"
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def submit(self, entry: dict) -> None:
+        self.raise_if_failed()
+        self.spool.add(entry["bytes"])
+        self._queue.put(entry)
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise UploadFailed(f"upload to s3://{self.bucket}/{self.prefix} failed: {self.error}") from self.error
+
+    def _run(self) -> None:
+        while (entry := self._queue.get()) is not None:
+            if self.error is not None:
+                continue
+            try:
+                path = self.shard_dir / entry["file"]
+                upload_verified(self.client, path, self.bucket, self.key(entry["file"]), entry["sha256"],
+                                entry["bytes"], self.part_size, self.concurrency)
+                self.uploaded.add(entry["file"])
+                self.files_uploaded += 1
+                self.bytes_uploaded += entry["bytes"]
+                if self.spool.progress is not None:
+                    self.spool.progress.files_uploaded = self.files_uploaded
+                self.spool.remove(entry["bytes"])
+                self.mirror_journal()
+            except BaseException as exc:  # surfaced on the main thread
+                self.error = exc
+                self.failed.set()
+
+    def mirror_journal(self) -> None:
+        """Put the journal, less `file` entries not yet in the store, next to the uploaded files."""
+        from .journal import JOURNAL_NAME, read_entries
+
+        lines = [json.dumps(e, separators=(",", ":")) for e in read_entries(self.shard_dir / JOURNAL_NAME)
+                 if e.get("kind") != "file" or e["file"] in self.uploaded]
+        body = ("\n".join(lines) + "\n").encode() if lines else b""
+        self.client.put_object(Bucket=self.bucket, Key=self.key(JOURNAL_NAME), Body=body,
+                               ChecksumAlgorithm="SHA256")
+
+    def drain(self) -> None:
+        """Wait until every submitted file is uploaded and verified; raise the first upload error."""
+        self._queue.put(None)
+        self._thread.join()
+        self.raise_if_failed()
+
+
+class UploadFailed(Exception):
+    """The uploader gave up (after retries) or found a mismatch: the shard cannot complete."""
+
+
+def fetch_journals(client, uri: str, spool_root: Path) -> int:
+    """Copy every shard journal under `uri` into the spool where the local one is absent or shorter.
+
+    Completion is by sample id across all journals, so a worker on a fresh host (or with another shard
+    count) must see what other runs already put in the store. Returns how many journals it fetched."""
+    bucket, prefix = split_uri(uri)
+    base = f"{prefix}/" if prefix else ""
+    fetched = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(base):]
+            parts = rel.split("/")
+            if len(parts) != 2 or parts[1] != "journal.jsonl" or not parts[0].startswith("shard-"):
+                continue
+            local = spool_root / rel
+            if local.exists() and local.stat().st_size >= obj["Size"]:
+                continue
+            local.parent.mkdir(parents=True, exist_ok=True)
+            data = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            tmp = local.with_name(f".{local.name}.fetch.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, local)
+            fetched += 1
+    return fetched

@@ -1,0 +1,74 @@
+"""The worker with --out s3://: background verified upload, bounded spool, journals mirrored, reconcile."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from helpers import dataset_ids, run_extract, summary_of
+from s3faults import FaultProxy
+from tasks.reconcile import S3Store, dataset_ids as ids_of, reconcile_output
+
+
+def test_s3_output_lands_verified_frees_disk_and_reconciles(tmp_path, tiny_model, dataset, s3, s3_endpoint):
+    client, bucket = s3
+    spool = tmp_path / "spool"
+    for shard in range(2):
+        proc = run_extract(tiny_model, dataset, f"s3://{bucket}/run", shard, 2, "--token-budget", "256",
+                           "--spool", str(spool), "--s3-endpoint", s3_endpoint)
+        assert proc.returncode == 0, proc.stderr
+        up = summary_of(proc)["upload"]
+        assert up["files"] == summary_of(proc)["files"] > 0
+    assert not list(spool.rglob("*.safetensors"))  # every local copy freed after its verification
+    report = reconcile_output(S3Store(f"s3://{bucket}/run", client=client, verify=True), ids_of(dataset), 2)
+    assert report.complete and report.sealed and report.duplicated == 0 and not report.corrupt_objects
+    assert report.expected == len(set(dataset_ids(dataset)))
+
+
+def test_fresh_host_resumes_from_the_store_and_computes_nothing_twice(tmp_path, tiny_model, dataset, s3,
+                                                                        s3_endpoint):
+    client, bucket = s3
+    args = ("--token-budget", "256", "--s3-endpoint", s3_endpoint)
+    first = run_extract(tiny_model, dataset, f"s3://{bucket}/r", 0, 1, *args, "--spool", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    # another host (empty spool), another shard count: everything is already in the store's journals
+    for shard in range(3):
+        again = run_extract(tiny_model, dataset, f"s3://{bucket}/r", shard, 3, *args,
+                            "--spool", str(tmp_path / "b"))
+        assert again.returncode == 0, again.stderr
+        assert summary_of(again)["samples_written"] == 0 and summary_of(again)["forward_passes"] == 0
+
+
+def test_high_water_mark_pauses_extraction_until_uploads_catch_up(tmp_path, tiny_model, dataset, s3, s3_endpoint):
+    _, bucket = s3
+
+    def slow(method, path):
+        if method == "PUT" and ".safetensors" in path:
+            time.sleep(0.3)  # a slow link
+        return None
+
+    proxy = FaultProxy(s3_endpoint, slow).start()
+    try:
+        proc = run_extract(tiny_model, dataset, f"s3://{bucket}/w", 0, 1, "--token-budget", "256",
+                           "--spool", str(tmp_path / "s"), "--s3-endpoint", proxy.url,
+                           "--spool-high-gb", str(1 / 2**30), "--spool-low-gb", str(1 / 2**30))
+    finally:
+        proxy.stop()
+    assert proc.returncode == 0, proc.stderr
+    up = summary_of(proc)["upload"]
+    biggest = max(json.loads(l)["bytes"] for l in (tmp_path / "s" / "shard-00000-of-00001" / "journal.jsonl")
+                  .read_text().splitlines() if '"kind":"file"' in l)
+    assert up["paused_s"] > 0.3 and up["max_spool_bytes"] <= biggest  # never more than one file waiting
+
+
+def test_upload_errors_past_retries_fail_the_shard_naming_s3(tmp_path, tiny_model, dataset, s3, s3_endpoint):
+    _, bucket = s3
+    proxy = FaultProxy(s3_endpoint, lambda method, path: 500 if ".safetensors" in path else None).start()
+    try:
+        proc = run_extract(tiny_model, dataset, f"s3://{bucket}/e", 0, 1, "--token-budget", "256",
+                           "--spool", str(tmp_path / "s"), "--s3-endpoint", proxy.url)
+    finally:
+        proxy.stop()
+    assert proc.returncode != 0
+    assert "upload to s3://" in proc.stderr and "InternalError" in proc.stderr
+    assert list((tmp_path / "s").rglob("*.safetensors"))  # nothing lost: the files wait for the next run
