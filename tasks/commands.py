@@ -34,6 +34,10 @@ def _proc_start(pid_expr: str) -> str:
     return f"sed 's/.*) //' /proc/{pid_expr}/stat 2>/dev/null | cut -d' ' -f{PROC_START_FIELD}"
 
 
+def _proc_state(pid_expr: str) -> str:
+    return f"sed 's/.*) //' /proc/{pid_expr}/stat 2>/dev/null | cut -d' ' -f1"
+
+
 def check_bundle_cmd(workdir: str, digest: str, python: str) -> str:
     """Prints `BUNDLE <hash>` if that bundle is unpacked whole, then the worker's version through `python`."""
     d = bundle_dir(workdir, digest)
@@ -78,7 +82,7 @@ def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, work
     return (
         f"mkdir -p {q(ctrl)} && cd {q(ctrl)} && umask 027 && exec 9>>.launch.lock && "
         f"{{ flock -w 30 9 || {{ echo 'LOCK BUSY'; exit 75; }}; }} && "
-        f"if [ -s pid ] && kill -0 \"$(cat pid)\" 2>/dev/null && "
+        f"if [ -s pid ] && kill -0 \"$(cat pid)\" 2>/dev/null && [ \"$({_proc_state('$(cat pid)')})\" != Z ] && "
         f"[ \"$({_proc_start('$(cat pid)')})\" = \"$(cat pid.start 2>/dev/null)\" ]; then "
         f"echo \"ADOPT $(cat pid) $(cat pid.start)\"; exit 0; fi; "
         f"rm -f exit.json heartbeat.json pid pid.start && "

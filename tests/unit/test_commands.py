@@ -81,3 +81,26 @@ def test_probe_sees_zombie_as_not_alive(tmp_path):
         assert probe.state == "Z" and not probe.alive
     finally:
         os.waitpid(pid, 0)
+
+
+def test_launch_does_not_adopt_a_zombie_with_the_recorded_pid(tmp_path):
+    """Seen in CI: the worker of an earlier run exited, was never reaped (PID 1 of a container may not
+    reap), and `kill -0` still succeeded on its pid: the re-run adopted a dead shard."""
+    import os
+    import time
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        ctrl = tmp_path / "ctrl"
+        ctrl.mkdir()
+        start = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        (ctrl / "pid").write_text(f"{pid}\n")
+        (ctrl / "pid.start").write_text(start)
+        cmd = launch_cmd(str(ctrl), str(tmp_path), "d" * 64, "/bin/true", 0, [], "/j", wait_s=0.2)
+        out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=20).stdout
+        assert out.startswith("LAUNCHED ") and not out.startswith(f"ADOPT {pid}"), out
+    finally:
+        os.waitpid(pid, 0)
