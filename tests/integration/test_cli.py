@@ -55,7 +55,7 @@ def test_started_first_then_heartbeats_then_exit_status(tiny_model, dataset, tmp
     (dict(shard=2, num_shards=2), "--shard 2: must be in 0..1"),
     (dict(data="/nonexistent.jsonl"), "--data '/nonexistent.jsonl': no such file"),
     (dict(out="FILE/sub"), "not writable"),
-    (dict(out="s3://bucket/prefix"), "only local paths and file:// are supported"),
+    (dict(out="gs://bucket/prefix"), "use a local path, file://... or s3://bucket/prefix"),
 ])
 def test_bad_arguments_fail_at_once_naming_the_problem(tiny_model, dataset, tmp_path, change, message):
     blocker = tmp_path / "a-file"
