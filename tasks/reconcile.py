@@ -26,8 +26,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from hsextract.journal import JOURNAL_NAME
+from hsextract.journal import JOURNAL_NAME, parse_entries
 from hsextract.records import iter_ids
+from hsextract.upload import split_uri
 from hsextract.sharding import shard_of
 
 INDEX_NAME = "_index.jsonl"
@@ -123,10 +124,7 @@ class S3Store(Store):
     """`s3://bucket/prefix` through boto3 (any S3-compatible endpoint). `_SUCCESS` uses If-None-Match."""
 
     def __init__(self, uri: str, client=None, verify: bool = False, **client_kwargs):
-        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-        if not uri.startswith("s3://") or not bucket:
-            raise ValueError(f"output={uri!r}: expected s3://bucket/prefix")
-        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.bucket, self.prefix = split_uri(uri)
         if client is None:
             import boto3
 
@@ -246,21 +244,8 @@ def read_journals(store: Store, listing: Iterable[StoredObject]) -> list[tuple[s
     out = []
     for obj in listing:
         if obj.key.endswith("/" + JOURNAL_NAME) and obj.key.count("/") == 1:
-            out.append((obj.key.split("/")[0], _entries(store.read(obj.key), obj.key)))
+            out.append((obj.key.split("/")[0], list(parse_entries(store.read(obj.key), obj.key))))
     return sorted(out)
-
-
-def _entries(data: bytes, where: str) -> list[dict]:
-    lines = data.split(b"\n")
-    entries = []
-    for number, raw in enumerate(lines, start=1):
-        if raw.strip():
-            try:
-                entries.append(json.loads(raw))
-            except json.JSONDecodeError:
-                if number != len(lines):
-                    raise ValueError(f"{where}:{number}: corrupt journal line: {raw[:120]!r}") from None
-    return entries
 
 
 def reconcile_output(store: Store, dataset_ids: Iterable[str], num_shards: int, seal: bool = True,

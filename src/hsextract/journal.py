@@ -32,6 +32,11 @@ def read_entries(path: Path) -> Iterator[dict]:
         data = path.read_bytes()
     except FileNotFoundError:
         return
+    yield from parse_entries(data, str(path))
+
+
+def parse_entries(data: bytes, where: str) -> Iterator[dict]:
+    """Entries of journal bytes (from disk or a store); a torn final line is left out, others must parse."""
     lines = data.split(b"\n")
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -41,7 +46,7 @@ def read_entries(path: Path) -> Iterator[dict]:
         except json.JSONDecodeError:
             if number == len(lines):
                 return  # torn final line: the append it belonged to never completed
-            raise ValueError(f"{path}:{number}: corrupt journal line: {raw[:120]!r}") from None
+            raise ValueError(f"{where}:{number}: corrupt journal line: {raw[:120]!r}") from None
 
 
 class Journal:
