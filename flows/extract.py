@@ -28,7 +28,10 @@ from tasks.bundle import build_bundle  # noqa: E402
 from tasks.deploy import deploy  # noqa: E402
 from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory  # noqa: E402
 from tasks.reconcile import reconcile  # noqa: E402
-from tasks.shards import Policy, ShardJob, launch, supervise  # noqa: E402
+from tasks.shards import Policy, ShardJob, forget_credentials, launch, supervise  # noqa: E402
+from tasks.credentials import load_access  # noqa: E402
+from hsextract.journal import shard_dir_name  # noqa: E402
+from hsextract.upload import split_uri  # noqa: E402
 
 
 class RunIncomplete(Exception):
@@ -53,25 +56,36 @@ def resolve_inventory(hosts: str) -> Inventory:
     return parse_inventory(block.yaml, f"block {hosts}")
 
 
-def local_output(output: str) -> str:
+def local_output(output: str) -> str | None:
+    """The directory of a file:// (or absolute path) output; None for s3://bucket/prefix."""
     if output.startswith("file://"):
         return output.removeprefix("file://")
     if output.startswith("/"):
         return output
-    raise ValueError(f"output={output!r}: use file:///absolute/path (s3:// comes with the S3 upload)")
+    if output.startswith("s3://"):
+        split_uri(output)  # a bucket is required
+        return None
+    raise ValueError(f"output={output!r}: use file:///absolute/path or s3://bucket/prefix")
 
 
 def default_run_name(output: str) -> str:
     return "run-" + hashlib.sha256(output.encode()).hexdigest()[:10]
 
 
-def worker_args(model, data, out_dir, layers, max_length, token_budget, device, heartbeat_s) -> tuple[str, ...]:
-    args = ["--model", model, "--data", data, "--out", out_dir, "--layers", layers,
+def worker_args(model, data, out, layers, max_length, token_budget, device, heartbeat_s,
+                s3_endpoint: str | None = None) -> tuple[str, ...]:
+    args = ["--model", model, "--data", data, "--out", out, "--layers", layers,
             "--token-budget", str(token_budget), "--device", device, "--progress", "log",
             "--heartbeat-interval", str(heartbeat_s)]
     if max_length is not None:
         args += ["--max-length", str(max_length)]
+    if s3_endpoint:
+        args += ["--s3-endpoint", s3_endpoint]
     return tuple(args)
+
+
+def _ends_done(journal: bytes) -> bool:
+    return journal.rstrip().rsplit(b"\n", 1)[-1].startswith(b'{"kind":"done"')
 
 
 def _done_locally(out_dir: str, num_shards: int) -> set[int]:
@@ -79,7 +93,26 @@ def _done_locally(out_dir: str, num_shards: int) -> set[int]:
     done = set()
     for shard in range(num_shards):
         journal = Path(out_dir) / f"shard-{shard:05d}-of-{num_shards:05d}" / "journal.jsonl"
-        if journal.is_file() and journal.read_bytes().rstrip().rsplit(b"\n", 1)[-1].startswith(b'{"kind":"done"'):
+        if journal.is_file() and _ends_done(journal.read_bytes()):
+            done.add(shard)
+    return done
+
+
+def _done_in_store(output: str, client, num_shards: int) -> set[int]:
+    """Shards whose journal mirrored in the store ends with `done` (a mirror names only verified files)."""
+    from botocore.exceptions import ClientError
+
+    bucket, prefix = split_uri(output)
+    done = set()
+    for shard in range(num_shards):
+        key = f"{prefix}/{shard_dir_name(shard, num_shards)}/journal.jsonl".lstrip("/")
+        try:
+            body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                continue
+            raise
+        if _ends_done(body):
             done.add(shard)
     return done
 
@@ -106,10 +139,10 @@ def extract(
     verify_checksums: bool = False,
 ):
     log = get_run_logger()
-    if aws_credentials is not None:
-        raise ValueError("aws_credentials: S3 output is not supported yet; use output=file://...")
     inventory = resolve_inventory(hosts)
     out_dir = local_output(output)
+    upload = out_dir is None
+    access = load_access(aws_credentials)  # fails here, before any launch, on a missing or bad block
     slots = inventory.slots
     num_shards = num_shards or len(slots)
     requested = sorted(set(shards)) if shards is not None else list(range(num_shards))
@@ -117,7 +150,14 @@ def extract(
     if bad:
         raise ValueError(f"shards={bad}: out of range for num_shards={num_shards}")
     run = run_name or default_run_name(output)
-    already = _done_locally(out_dir, num_shards) if shards is None else set()
+    already: set[int] = set()
+    client = access.client() if upload else None
+    if shards is None:
+        try:
+            already = _done_in_store(output, client, num_shards) if upload else _done_locally(out_dir, num_shards)
+        except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
+            log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
+                        "each skips what its journal already holds", run_name or "", output, exc)
     todo = deque(s for s in requested if s not in already)
     log.info("run %s: %d shard(s) requested, %d already complete, %d GPU slot(s) on %d host(s)",
              run, len(requested), len(already), len(slots), len(inventory.hosts))
@@ -126,12 +166,15 @@ def extract(
 
     bundle = build_bundle(ROOT)
     healthy, failures = deploy_hosts(inventory, bundle, worker_version()) if todo else (set(), {})
-    args = worker_args(model, data, out_dir, layers, max_length, token_budget, device, heartbeat_interval_s)
+    args = worker_args(model, data, output if upload else out_dir, layers, max_length, token_budget, device,
+                       heartbeat_interval_s, access.endpoint_url if upload else None)
+    env = (("AWS_DEFAULT_REGION", access.region),) if upload and access.region else ()
 
     def job_on(slot: tuple[str, int], shard: int) -> ShardJob:
         spec = inventory.host(slot[0])
         return ShardJob(run, shard, num_shards, slot[0], slot[1], spec.workdir, spec.python, bundle.sha256,
-                        out_dir, args)
+                        out_dir or "", args, upload=upload, aws_credentials=aws_credentials if upload else None,
+                        env=env)
 
     free = deque(slot for slot in slots if slot[0] in healthy)
     outcomes, shard_failures = run_shards(todo, free, job_on, inventory, policy)
@@ -143,8 +186,9 @@ def extract(
         text = "\n".join(f"- {where}: {why}" for where, why in sorted(failures.items()))
         raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}:\n{text}")
     log.info("run %s: all %d requested shard(s) complete", run, len(requested))
-    if Path(out_dir).is_dir() and Path(data).is_file():
-        checked = reconcile(out_dir, data, num_shards, verify_checksums, artifact_key=_artifact_key(run))
+    if (upload or Path(out_dir).is_dir()) and Path(data).is_file():
+        checked = reconcile(output if upload else out_dir, data, num_shards, verify_checksums,
+                            artifact_key=_artifact_key(run), aws_credentials=aws_credentials)
         summary["reconcile"] = checked
         if set(checked["shards_to_rerun"]) & set(requested):
             raise RunIncomplete(f"run {run}: reconcile found {checked['missing']} sample(s) missing "
@@ -152,8 +196,8 @@ def extract(
                                 f"corrupt); re-run shards {checked['shards_to_rerun']} (their journals now say "
                                 f"which files were lost, so a re-run redoes exactly those samples)")
     else:
-        log.warning("run %s: reconcile skipped: the output or the dataset is not visible from the orchestrator "
-                    "(file:// output on remote hosts); S3 output makes every run reconcilable", run)
+        log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the "
+                    "orchestrator (file:// output on remote hosts, or a dataset path only the hosts have)", run, data)
     return summary
 
 
@@ -191,13 +235,20 @@ def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: P
     proved, lock = [0], threading.Lock()
 
     def drive(job: ShardJob) -> dict:
-        launched = launch(job, inventory, policy)
-        with lock:
-            proved[0] += 1
-            if proved[0] == first_wave:
-                log.info("all %d shard(s) of the first wave verified running, %.1fs after the first launch",
-                         first_wave, time.monotonic() - started)
-        return supervise(job, launched, inventory, policy)
+        try:
+            launched = launch(job, inventory, policy)
+            with lock:
+                proved[0] += 1
+                if proved[0] == first_wave:
+                    log.info("all %d shard(s) of the first wave verified running, %.1fs after the first launch",
+                             first_wave, time.monotonic() - started)
+            return supervise(job, launched, inventory, policy)
+        finally:
+            try:
+                forget_credentials(job, inventory)
+            except Exception as exc:  # the verdict stands; say the file may still be there
+                log.warning("%s: credentials file %s may remain on the host: %s", job.label,
+                            job.credentials_path, exc)
 
     active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
     with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as pool:

@@ -12,6 +12,7 @@ Remote layout under a host's `workdir`:
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -68,14 +69,22 @@ def env_check_cmd(python: str, workdir: str, digest: str) -> str:
 
 
 def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, worker_args: list[str],
-               journal: str, wait_s: float = 5.0) -> str:
+               journal: str, wait_s: float = 5.0, env: dict[str, str] | None = None,
+               unset: tuple[str, ...] = ()) -> str:
     """Start the worker detached (setsid, stdio to worker.log, stdin /dev/null) under a launch lock.
 
     Prints `ADOPT <pid> <start>` when the shard's worker is already alive (same pid and start time),
     else `LAUNCHED <pid> <start>` after waiting on the host up to `wait_s` for its STARTED line and first
     heartbeat (or its death), then the probe (see `probe_cmd`): launch and proof in one round trip.
-    `LOCK BUSY` or `LOG UNWRITABLE` with a non-zero exit otherwise.
+    `LOCK BUSY` or `LOG UNWRITABLE` with a non-zero exit otherwise. `env` (never secrets: they would show
+    in /proc/PID/environ only to the owner, but in this command line to anyone who sees it) is set for the
+    worker, and the variables in `unset` are removed from its environment first.
     """
+    for name in [*(env or {}), *unset]:
+        if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
+            raise ValueError(f"environment variable name {name!r} is not allowed")
+    assign = "".join(f"{name}={q(value)} " for name, value in (env or {}).items())
+    clear = f"unset {' '.join(unset)}; " if unset else ""
     ticks = max(1, int(wait_s * 10))
     src = bundle_dir(workdir, digest) + "/src"
     argv = " ".join(q(a) for a in [python, "-m", "hsextract", "extract", *worker_args, "--status-dir", ctrl])
@@ -87,7 +96,7 @@ def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, work
         f"echo \"ADOPT $(cat pid) $(cat pid.start)\"; exit 0; fi; "
         f"rm -f exit.json heartbeat.json pid pid.start && "
         f"{{ : > worker.log; }} 2>/dev/null || {{ echo 'LOG UNWRITABLE'; exit 73; }}; "
-        f"CUDA_VISIBLE_DEVICES={q(gpu)} PYTHONPATH={q(src)} PYTHONUNBUFFERED=1 "
+        f"{clear}{assign}CUDA_VISIBLE_DEVICES={q(gpu)} PYTHONPATH={q(src)} PYTHONUNBUFFERED=1 "
         f"setsid {argv} >> worker.log 2>&1 < /dev/null 9>&- & "
         f"pid=$!; start=$({_proc_start('$pid')}); echo \"$pid\" > pid; echo \"$start\" > pid.start; "
         f"echo \"LAUNCHED $pid $start\"; i=0; while [ $i -lt {ticks} ]; do "

@@ -190,8 +190,9 @@ class SshHost(Host):
             sftp = conn.sftp()
             parent = path.rsplit("/", 1)[0] or "/"
             conn.run(f"mkdir -p -- {quote(parent)}", hide=True, in_stream=False, timeout=timeout)
-            sftp.putfo(io.BytesIO(data), tmp)
-            sftp.chmod(tmp, mode)
+            with sftp.open(tmp, "wb") as handle:  # narrowed before a byte is written (secrets use 0600)
+                sftp.chmod(tmp, mode)
+                handle.write(data)
             sftp.posix_rename(tmp, path)
 
         self._guarded(f"put {path}", self.timeouts.connect_s + timeout, go)

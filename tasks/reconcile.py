@@ -170,6 +170,22 @@ class S3Store(Store):
     def write(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumAlgorithm="SHA256")
 
+    def append(self, key: str, data: bytes, attempts: int = 5) -> None:
+        """Read, extend, put back only if unchanged since the read (If-Match on the ETag); retried on a race."""
+        from botocore.exceptions import ClientError
+
+        for _ in range(attempts):
+            got = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            body = got["Body"].read()
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body + data, IfMatch=got["ETag"],
+                                       ChecksumAlgorithm="SHA256")
+                return
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    raise
+        raise RuntimeError(f"s3://{self.bucket}/{self._key(key)}: changed under every one of {attempts} appends")
+
 
 @dataclass
 class ShardReport:
@@ -349,20 +365,37 @@ def _publish(report: Report, key: str) -> None:
     create_markdown_artifact(report.markdown(), key=f"{key}-summary", description="reconcile summary")
 
 
+def open_store(output: str, verify: bool = False, client=None) -> Store:
+    """The store of an output: `s3://bucket/prefix` (with `client`, else the default chain), else a directory."""
+    if output.startswith("s3://"):
+        return S3Store(output, client=client, verify=verify)
+    return LocalStore(output.removeprefix("file://"), verify=verify)
+
+
 def reconcile_local(out_dir: str, data: str, num_shards: int, verify: bool = False, retract: bool = True,
-                    artifact_key: str | None = None) -> Report:
-    """Reconcile a file:// output against a dataset readable from here; publish artifacts when in a run."""
+                    artifact_key: str | None = None, client=None) -> Report:
+    """Reconcile an output (a directory, file:// or s3://) against a dataset readable from here; publish
+    artifacts when in a run. `client`: the boto3 client for s3:// (see tasks.credentials)."""
     if not Path(data).is_file():
         raise FileNotFoundError(f"reconcile: dataset {data!r} is not readable from the orchestrator")
-    report = reconcile_output(LocalStore(out_dir, verify=verify), dataset_ids(data), num_shards, retract=retract)
+    store = open_store(out_dir, verify, client)
+    report = reconcile_output(store, dataset_ids(data), num_shards, retract=retract)
     if artifact_key:
         _publish(report, artifact_key)
     return report
 
 
 @task(name="reconcile", cache_policy=NO_CACHE, task_run_name="reconcile-{num_shards}-shards")
-def reconcile(out_dir: str, data: str, num_shards: int, verify: bool = False, artifact_key: str = "reconcile") -> dict:
-    """Task: reconcile, publish a shard table and a markdown summary; the summary dict is the result."""
-    report = reconcile_local(out_dir, data, num_shards, verify=verify, retract=True, artifact_key=artifact_key)
+def reconcile(out_dir: str, data: str, num_shards: int, verify: bool = False, artifact_key: str = "reconcile",
+              aws_credentials: str | None = None) -> dict:
+    """Task: reconcile, publish a shard table and a markdown summary; the summary dict is the result.
+    `out_dir`: a directory, file:// or s3:// (reached with the `aws_credentials` block, else the default chain)."""
+    client = None
+    if out_dir.startswith("s3://"):
+        from .credentials import load_access
+
+        client = load_access(aws_credentials).client()
+    report = reconcile_local(out_dir, data, num_shards, verify=verify, retract=True, artifact_key=artifact_key,
+                             client=client)
     get_run_logger().info("reconcile: %s", json.dumps(report.summary()))
     return {**report.summary(), "missing_ids": {str(k): v[:100] for k, v in report.missing_ids.items()}}

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from .commands import control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, Probe
+from .commands import control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, q, Probe
+from .credentials import AWS_ENV_CLEARED, CREDENTIALS_FILE, load_access
 from .hosts import Host, HostError, Result, connect, tail
 from .inventory import Inventory
 
@@ -35,6 +36,9 @@ class ShardJob:
     digest: str
     out_dir: str             # local output directory as seen on the host
     worker_args: tuple[str, ...]  # everything but --shard/--num-shards/--status-dir
+    upload: bool = False     # --out s3://...: files wait in <control dir>/spool until verified in the store
+    aws_credentials: str | None = None  # block name; its keys reach the host only as a 0600 file
+    env: tuple[tuple[str, str], ...] = ()  # non-secret environment for the worker (region, profile)
 
     @property
     def label(self) -> str:
@@ -50,7 +54,12 @@ class ShardJob:
 
     @property
     def journal(self) -> str:
-        return f"{self.out_dir}/{self.shard_dir}/journal.jsonl"
+        root = f"{self.ctrl}/spool" if self.upload else self.out_dir
+        return f"{root}/{self.shard_dir}/journal.jsonl"
+
+    @property
+    def credentials_path(self) -> str:
+        return f"{self.ctrl}/{CREDENTIALS_FILE}"
 
     def argv(self) -> list[str]:
         return [*self.worker_args, "--shard", str(self.shard), "--num-shards", str(self.num_shards)]
@@ -95,8 +104,20 @@ def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
     started = time.monotonic()
     config = json.dumps({**asdict(job), "argv": job.argv()}, indent=1).encode()
     host.put(config, f"{job.ctrl}/launch.json", policy.command_timeout_s)
+    env, clear = dict(job.env), ()
+    if job.aws_credentials:
+        access = load_access(job.aws_credentials)
+        body = access.credentials_file()
+        if body is not None:  # the keys: a 0600 file, named to the worker by an environment variable
+            host.put(body, job.credentials_path, policy.command_timeout_s, mode=0o600)
+            env["AWS_SHARED_CREDENTIALS_FILE"], clear = job.credentials_path, AWS_ENV_CLEARED
+        elif access.profile:
+            env["AWS_PROFILE"] = access.profile
+        if access.region:
+            env.setdefault("AWS_DEFAULT_REGION", access.region)
     wait_s = min(5.0, policy.launch_timeout_s)
-    command = launch_cmd(job.ctrl, job.workdir, job.digest, job.python, job.gpu, job.argv(), job.journal, wait_s)
+    command = launch_cmd(job.ctrl, job.workdir, job.digest, job.python, job.gpu, job.argv(), job.journal, wait_s,
+                         env=env, unset=clear)
     result = host.run(command, policy.command_timeout_s + wait_s)
     first, _, rest = result.stdout.partition("\n")
     words = first.split()
@@ -178,6 +199,17 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Polic
             log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),
                      beat.get("samples_total"), beat.get("tokens_per_s", 0))
         time.sleep(policy.poll_interval_s)
+
+
+def forget_credentials(job: ShardJob, inventory: Inventory, timeout: float = 30.0) -> None:
+    """Remove the shard's credentials file from its host (the worker also removes it when it exits)."""
+    if not job.aws_credentials:
+        return
+    with connect(inventory.host(job.host), inventory) as host:
+        result = host.run(f"rm -f {q(job.credentials_path)}", timeout)
+    if not result.ok:
+        raise HostError(job.host, result.command, f"could not remove the credentials file: {result.describe()}",
+                        transient=False)
 
 
 @task(name="launch", cache_policy=NO_CACHE, task_run_name="launch-shard-{job.shard}")

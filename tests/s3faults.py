@@ -3,6 +3,8 @@
 `FaultProxy(upstream).start()` listens on 127.0.0.1:<free port>; `rule(request) -> action` decides per request:
 None passes it on, an int answers with that status and an S3 error body (500 InternalError, 503 SlowDown),
 "drop" closes the connection without an answer. Every request is recorded in `seen` as (method, path+query).
+`bandwidth` (bytes/s) makes request bodies cross one shared link at that rate, as an uplink would (the wait
+is a sleep: no CPU is spent on it).
 """
 
 from __future__ import annotations
@@ -10,15 +12,18 @@ from __future__ import annotations
 import http.client
 import http.server
 import threading
+import time
 from urllib.parse import urlsplit
 
 ERRORS = {500: "InternalError", 503: "SlowDown"}
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, rule=None):
+    def __init__(self, upstream: str, rule=None, bandwidth: float | None = None):
         self.upstream = urlsplit(upstream)
         self.rule = rule or (lambda method, path: None)
+        self.bandwidth = bandwidth
+        self._link_free_at = 0.0  # when the shared link has sent every body queued so far
         self.seen: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         proxy = self
@@ -35,6 +40,11 @@ class FaultProxy:
                 with proxy.lock:
                     proxy.seen.append((self.command, self.path))
                     action = proxy.rule(self.command, self.path)
+                    if proxy.bandwidth and length:
+                        proxy._link_free_at = max(time.monotonic(), proxy._link_free_at) + length / proxy.bandwidth
+                        sent_at = proxy._link_free_at
+                if proxy.bandwidth and length:
+                    time.sleep(max(0.0, sent_at - time.monotonic()))
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(2)

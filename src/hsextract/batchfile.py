@@ -88,3 +88,30 @@ class BatchFile:
         for name in names:
             out[name] = self._handle.get_slice(name)[begin:end]
         return out
+
+
+class LoadedBatch:
+    """A batch file held in memory (an object read from a store): the same `sample()` as BatchFile."""
+
+    def __init__(self, data: bytes, where: str):
+        from safetensors.torch import load
+
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: not an hsextract batch file (format_version={meta.get('format_version')!r})")
+        self.metadata = meta
+        self.sample_ids: list[str] = json.loads(meta["sample_ids"])
+        self.tensors = load(data)
+        self.cu_seqlens: list[int] = self.tensors["cu_seqlens"].tolist()
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def sample(self, index: int) -> dict:
+        begin, end = self.cu_seqlens[index], self.cu_seqlens[index + 1]
+        out = {"id": self.sample_ids[index]}
+        for name in ("input_ids", "loss_mask", "hidden_states", "last_hidden_state"):
+            if name in self.tensors:
+                out[name] = self.tensors[name][begin:end]
+        return out

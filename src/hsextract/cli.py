@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,6 +63,13 @@ def out_path(text: str) -> Path | None:
     return None if "://" in text else Path(text)
 
 
+def forget_credentials(status_dir: Path) -> None:
+    """A credentials file the orchestrator put in this shard's status dir lives only as long as the shard."""
+    named = os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
+    if named and Path(named).parent.resolve() == status_dir.resolve():
+        Path(named).unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "extract":
@@ -101,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat.start()  # the first heartbeat comes before torch is imported
         from .extract import run_shard  # imports torch
 
-        return run_shard(cfg, heartbeat)
+        try:
+            return run_shard(cfg, heartbeat)
+        finally:
+            forget_credentials(cfg.status_path)
     if args.command == "inspect":
         from .reader import describe_output
 

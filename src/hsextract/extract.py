@@ -46,6 +46,8 @@ class ShardRun:
         self.started = time.time()
         self.counting = threading.Lock()  # progress is updated by the main and the writer thread
         self.uploader = None  # BackgroundUploader when the output is s3://
+        self.extract_ended: float | None = None
+        self.drain_s = 0.0  # waiting for the uploader after the last batch
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
@@ -110,6 +112,7 @@ class ShardRun:
                     writer.put(part, states)
         finally:
             writer.close()
+            self.extract_ended = time.time()
         if self.stop_signal:
             raise Interrupted(self.stop_signal)
         return self.finish()
@@ -236,7 +239,9 @@ class ShardRun:
     def finish(self) -> dict:
         if self.uploader:
             self.progress.phase = "uploading"
+            started = time.monotonic()
             self.uploader.drain()  # every file verified in the store, or the upload error
+            self.drain_s = time.monotonic() - started
         state = scan_output(self.cfg.out)
         missing = [i for i in self.assigned if not state.finished(i)]
         if missing:
@@ -252,14 +257,17 @@ class ShardRun:
     def summary(self) -> dict:
         p = self.progress
         seconds = time.time() - self.started
-        extract_s = time.time() - (p.extract_started_at or time.time())
+        ended = self.extract_ended or time.time()
+        extract_s = ended - (p.extract_started_at or ended)  # the forward loop and its writes, not the drain
         return {
             "shard": p.shard, "num_shards": p.num_shards, "samples_total": p.samples_total,
             "samples_done": p.samples_done, "samples_written": p.samples_written,
             "skipped": dict(self.skips), "tokens": p.tokens_done, "files": p.files, "bytes": p.bytes,
             "forward_passes": p.forward_passes, "seconds": round(seconds, 3),
+            "extract_s": round(extract_s, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,
+                           "drain_s": round(self.drain_s, 3),
                            "paused_s": round(self.uploader.spool.paused_s, 3),
                            "max_spool_bytes": self.uploader.spool.max_pending}} if self.uploader else {}),
         }

@@ -102,10 +102,14 @@ class OutputState:
 
 def scan_output(out_dir: Path) -> OutputState:
     """Merge all shard journals under `out_dir` (any earlier shard count). First writer of an id wins."""
+    return merge_journals((j.parent.name, list(read_entries(j)))
+                          for j in sorted(out_dir.glob(f"shard-*/{JOURNAL_NAME}")))
+
+
+def merge_journals(journals) -> OutputState:
+    """Merge (shard dir, entries) pairs, in the order given (sorted by shard dir): first writer of an id wins."""
     state = OutputState()
-    for journal in sorted(out_dir.glob(f"shard-*/{JOURNAL_NAME}")):
-        shard = journal.parent.name
-        entries = list(read_entries(journal))
+    for shard, entries in journals:
         lost = {e["file"] for e in entries if e.get("kind") == "lost"}
         for entry in entries:
             kind = entry.get("kind")

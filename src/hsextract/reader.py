@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from .batchfile import BatchFile, sha256_file
+from .batchfile import BatchFile, LoadedBatch, sha256_file
 from .journal import scan_output
 
 
@@ -15,9 +16,61 @@ def _local(path_or_uri: str | Path) -> Path:
     text = str(path_or_uri)
     if text.startswith("file://"):
         return Path(text.removeprefix("file://"))
+    if text.startswith("s3://"):
+        raise ValueError(f"{text!r}: s3:// outputs are read as a stream: use read_samples (or describe_output)")
     if "://" in text:
-        raise ValueError(f"{text!r}: only local paths and file:// URIs can be read by this version")
+        raise ValueError(f"{text!r}: expected a local path, file:// or s3:// URI")
     return Path(text)
+
+
+def _s3_state(uri: str, client):
+    """Merged journals mirrored under an s3:// output (they name only objects verified in the store)."""
+    from .journal import JOURNAL_NAME, merge_journals, parse_entries
+    from .upload import split_uri
+
+    bucket, prefix = split_uri(uri)
+    base = f"{prefix}/" if prefix else ""
+    keys = sorted(o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base)
+                  for o in page.get("Contents", []))
+    journals = []
+    for key in keys:
+        parts = key[len(base):].split("/")
+        if len(parts) == 2 and parts[0].startswith("shard-") and parts[1] == JOURNAL_NAME:
+            data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+            journals.append((parts[0], list(parse_entries(data, f"s3://{bucket}/{key}"))))
+    if not journals:
+        raise FileNotFoundError(f"{uri}: no shard journals under this prefix (not an extraction output)")
+    return bucket, base, merge_journals(journals)
+
+
+def _stream_s3(uri: str, verify: bool, client) -> Iterator[dict]:
+    """One object in memory at a time (and the next one downloading): never the whole output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .upload import s3_client
+
+    client = client or s3_client()
+    bucket, base, state = _s3_state(uri, client)
+    wanted = [(shard, entry) for shard, entry in state.files
+              if any(state.written[i] == (shard, entry["file"]) for i in entry["ids"])]
+
+    def fetch(item):
+        shard, entry = item
+        key = f"{base}{shard}/{entry['file']}"
+        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        if len(data) != entry["bytes"] or (verify and hashlib.sha256(data).hexdigest() != entry["sha256"]):
+            raise ValueError(f"s3://{bucket}/{key}: {len(data)} bytes / checksum do not match its journal entry")
+        return key, data
+
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(fetch, wanted[0]) if wanted else None
+        for n, (shard, entry) in enumerate(wanted):
+            key, data = ahead.result()
+            ahead = pool.submit(fetch, wanted[n + 1]) if n + 1 < len(wanted) else None
+            batch = LoadedBatch(data, f"s3://{bucket}/{key}")
+            for position, sample_id in enumerate(batch.sample_ids):
+                if state.written[sample_id] == (shard, entry["file"]):
+                    yield batch.sample(position)
 
 
 def sample_index(path_or_uri: str | Path, verify: bool = False) -> list[tuple[Path, int]]:
@@ -43,8 +96,17 @@ def sample_index(path_or_uri: str | Path, verify: bool = False) -> list[tuple[Pa
     return index
 
 
-def describe_output(path_or_uri: str | Path, verify: bool = False) -> dict:
-    """Samples, tokens, files and bytes an output holds (each sample counted once)."""
+def describe_output(path_or_uri: str | Path, verify: bool = False, client=None) -> dict:
+    """Samples, tokens, files and bytes an output holds (each sample counted once). For s3:// it reads the
+    mirrored journals only (`verify` there is the reconcile's job)."""
+    if str(path_or_uri).startswith("s3://"):
+        from .upload import s3_client
+
+        _, _, state = _s3_state(str(path_or_uri), client or s3_client())
+        return {"out": str(path_or_uri), "samples": len(state.written), "files": len(state.files),
+                "bytes": sum(e["bytes"] for _, e in state.files),
+                "tokens_in_files": sum(e["tokens"] for _, e in state.files), "skipped": len(state.skipped),
+                "shards_done": sorted(state.done_shards), "verified": False}
     root = _local(path_or_uri)
     index = sample_index(root, verify)
     state = scan_output(root)
@@ -54,9 +116,15 @@ def describe_output(path_or_uri: str | Path, verify: bool = False) -> dict:
             "skipped": len(state.skipped), "shards_done": sorted(state.done_shards), "verified": verify}
 
 
-def read_samples(path_or_uri: str | Path, verify: bool = False) -> Iterator[dict]:
+def read_samples(path_or_uri: str | Path, verify: bool = False, client=None) -> Iterator[dict]:
     """Yield `{"id", "input_ids" [T], "loss_mask" [T], "hidden_states" [T, n_layers*hidden]}` per sample
-    (plus `last_hidden_state` [T, hidden] when extracted with --include-last), each id exactly once."""
+    (plus `last_hidden_state` [T, hidden] when extracted with --include-last), each id exactly once.
+
+    `s3://bucket/prefix` is streamed object by object (boto3's default credential chain and
+    $AWS_ENDPOINT_URL, or `client`); a local path or file:// is read in place."""
+    if str(path_or_uri).startswith("s3://"):
+        yield from _stream_s3(str(path_or_uri), verify, client)
+        return
     current: BatchFile | None = None
     for path, position in sample_index(path_or_uri, verify):
         if current is None or current.path != path:

@@ -4,8 +4,9 @@
 1. read the local file once, computing its sha256 and the per-part sha256s of the multipart layout;
    a file whose sha256 differs from the journal's (written when the file was made) is corrupt on disk
    and is never uploaded (`CorruptFile`);
-2. upload with boto3's transfer manager (multipart over `part_size`, parallel parts, SHA256 checksum per
-   part, the journal's sha256 as object metadata); a failed multipart upload is aborted by the manager;
+2. under `part_size`: one PUT carrying that verified SHA256 (the store checks the body against it); from
+   `part_size` up: boto3's transfer manager (multipart, parallel parts, SHA256 checksum per part); the
+   journal's sha256 goes along as object metadata; a failed multipart upload is aborted by the manager;
 3. HEAD the object with checksums on and compare size and the full (or composite, for multipart) SHA256
    with what the local bytes give; only then delete the local file.
 Transient S3 errors (5xx, throttling, timeouts, resets) are retried by botocore's standard mode with
@@ -55,7 +56,8 @@ def s3_client(endpoint_url: str | None = None, attempts: int = 8, **kwargs):
 
     config = Config(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=10, read_timeout=60,
                     request_checksum_calculation="when_supported", response_checksum_validation="when_supported")
-    return boto3.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
+    session = kwargs.pop("session", None) or boto3
+    return session.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
 
 def local_digests(path: Path, part_size: int) -> tuple[str, list[bytes], int]:
@@ -85,19 +87,29 @@ def same_checksum(stored: str, want: str) -> bool:
     return value == want_value and (not count or count == want_count)
 
 
-def upload_verified(client, path: Path, bucket: str, key: str, journal_sha256: str, journal_bytes: int,
-                    part_size: int = 64 << 20, concurrency: int = 8, delete: bool = True) -> Uploaded:
-    from boto3.s3.transfer import TransferConfig
+def transfer_for(client, part_size: int = 64 << 20, concurrency: int = 8):
+    """A transfer manager for multipart uploads, made once and reused (it owns a thread pool)."""
+    from boto3.s3.transfer import S3Transfer, TransferConfig
 
+    return S3Transfer(client, TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
+                                             max_concurrency=concurrency, use_threads=concurrency > 1))
+
+
+def upload_verified(client, path: Path, bucket: str, key: str, journal_sha256: str, journal_bytes: int,
+                    part_size: int = 64 << 20, concurrency: int = 8, delete: bool = True,
+                    transfer=None) -> Uploaded:
     full, parts, size = local_digests(path, part_size)
     if full != journal_sha256 or size != journal_bytes:
         raise CorruptFile(f"{path}: on disk sha256 {full} / {size} bytes, but the journal wrote {journal_sha256} / "
                           f"{journal_bytes}: not uploaded")
     multipart = size >= part_size
-    config = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
-                            max_concurrency=concurrency, use_threads=concurrency > 1)
-    client.upload_file(str(path), bucket, key, Config=config,
-                       ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": full}})
+    if multipart:
+        (transfer or transfer_for(client, part_size, concurrency)).upload_file(
+            str(path), bucket, key, extra_args={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": full}})
+    else:  # one PUT carrying the sha256 just verified: the store checks the body against it, no re-hash here
+        with path.open("rb") as body:
+            client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={"sha256": full},
+                              ChecksumSHA256=expected_checksum(full, parts, False))
     head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     stored = head.get("ChecksumSHA256", "")
     want = expected_checksum(full, parts, multipart)
@@ -157,26 +169,38 @@ class Spool:
 class BackgroundUploader:
     """Uploads journaled batch files of one shard while extraction goes on, then mirrors its journal.
 
+    `files_in_flight` threads take files from one queue, so the round trips of one file (hash, PUT, HEAD)
+    overlap the bytes of the others; a file at or over `part_size` also goes in parallel parts.
     The mirrored journal (`<prefix>/<shard dir>/journal.jsonl`) names only files already verified in the
-    store, so a journal in S3 never claims an object that is not there. The local file is deleted only
-    after `upload_verified` matched it. Errors stop the uploader; `raise_if_failed`/`drain` surface them.
+    store, so a journal in S3 never claims an object that is not there. It is put whenever the uploader has
+    caught up, and at least every `mirror_every_s` during a backlog (a host lost in between costs the
+    files uploaded since: redone elsewhere, and any second copy resolved by reconcile). The local file is
+    deleted only after `upload_verified` matched it. The first error stops the uploader;
+    `raise_if_failed`/`drain` surface it.
     """
 
     def __init__(self, client, uri: str, shard_dir: Path, spool: Spool, part_size: int = 64 << 20,
-                 concurrency: int = 8):
+                 concurrency: int = 8, mirror_every_s: float = 10.0, files_in_flight: int = 4):
         self.client = client
         self.bucket, self.prefix = split_uri(uri)
         self.shard_dir = shard_dir
         self.spool = spool
         self.part_size, self.concurrency = part_size, concurrency
+        self.transfer = transfer_for(client, part_size, concurrency)
+        self.mirror_every_s = mirror_every_s
+        self._mirrored_at = 0.0
         self.uploaded: set[str] = set()
         self.files_uploaded = 0
         self.bytes_uploaded = 0
         self.error: BaseException | None = None
         self.failed = threading.Event()
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="hsextract-uploader", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # the counters, `uploaded`, and one mirror PUT at a time
+        self._in_flight = 0
+        self._threads = [threading.Thread(target=self._run, name=f"hsextract-uploader-{i}", daemon=True)
+                         for i in range(max(1, files_in_flight))]
+        for thread in self._threads:
+            thread.start()
 
     def key(self, name: str) -> str:
         rel = f"{self.shard_dir.name}/{name}"
@@ -195,35 +219,45 @@ class BackgroundUploader:
         while (entry := self._queue.get()) is not None:
             if self.error is not None:
                 continue
+            with self._lock:
+                self._in_flight += 1
             try:
                 path = self.shard_dir / entry["file"]
                 upload_verified(self.client, path, self.bucket, self.key(entry["file"]), entry["sha256"],
-                                entry["bytes"], self.part_size, self.concurrency)
-                self.uploaded.add(entry["file"])
-                self.files_uploaded += 1
-                self.bytes_uploaded += entry["bytes"]
-                if self.spool.progress is not None:
-                    self.spool.progress.files_uploaded = self.files_uploaded
+                                entry["bytes"], self.part_size, self.concurrency, transfer=self.transfer)
+                with self._lock:
+                    self.uploaded.add(entry["file"])
+                    self.files_uploaded += 1
+                    self.bytes_uploaded += entry["bytes"]
+                    if self.spool.progress is not None:
+                        self.spool.progress.files_uploaded = self.files_uploaded
+                    self._in_flight -= 1
+                    caught_up = self._in_flight == 0 and self._queue.empty()
                 self.spool.remove(entry["bytes"])
-                self.mirror_journal()
+                if caught_up or time.monotonic() - self._mirrored_at >= self.mirror_every_s:
+                    self.mirror_journal()  # caught up, or a while since: a backlog costs one PUT per interval
             except BaseException as exc:  # surfaced on the main thread
-                self.error = exc
+                self.error = self.error or exc
                 self.failed.set()
 
     def mirror_journal(self) -> None:
         """Put the journal, less `file` entries not yet in the store, next to the uploaded files."""
         from .journal import JOURNAL_NAME, read_entries
 
-        lines = [json.dumps(e, separators=(",", ":")) for e in read_entries(self.shard_dir / JOURNAL_NAME)
-                 if e.get("kind") != "file" or e["file"] in self.uploaded]
-        body = ("\n".join(lines) + "\n").encode() if lines else b""
-        self.client.put_object(Bucket=self.bucket, Key=self.key(JOURNAL_NAME), Body=body,
-                               ChecksumAlgorithm="SHA256")
+        with self._lock:
+            lines = [json.dumps(e, separators=(",", ":")) for e in read_entries(self.shard_dir / JOURNAL_NAME)
+                     if e.get("kind") != "file" or e["file"] in self.uploaded]
+            body = ("\n".join(lines) + "\n").encode() if lines else b""
+            self.client.put_object(Bucket=self.bucket, Key=self.key(JOURNAL_NAME), Body=body,
+                                   ChecksumAlgorithm="SHA256")
+            self._mirrored_at = time.monotonic()
 
     def drain(self) -> None:
         """Wait until every submitted file is uploaded and verified; raise the first upload error."""
-        self._queue.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
         self.raise_if_failed()
 
 
@@ -246,12 +280,37 @@ def fetch_journals(client, uri: str, spool_root: Path) -> int:
             if len(parts) != 2 or parts[1] != "journal.jsonl" or not parts[0].startswith("shard-"):
                 continue
             local = spool_root / rel
-            if local.exists() and local.stat().st_size >= obj["Size"]:
+            if local.exists() and local.stat().st_size == obj["Size"]:
                 continue
-            local.parent.mkdir(parents=True, exist_ok=True)
             data = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-            tmp = local.with_name(f".{local.name}.fetch.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, local)
+            mine = local.read_bytes() if local.exists() else b""
+            if data.startswith(mine):  # absent or behind here: take the store's
+                local.parent.mkdir(parents=True, exist_ok=True)
+                tmp = local.with_name(f".{local.name}.fetch.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, local)
+            else:  # this host is ahead: keep its journal, plus what reconcile retracted in the store
+                _merge_retractions(local, mine, data, obj["Key"])
             fetched += 1
     return fetched
+
+
+def _merge_retractions(local: Path, mine: bytes, theirs: bytes, where: str) -> None:
+    from .journal import parse_entries
+
+    have = {e["file"] for e in parse_entries(mine, str(local)) if e.get("kind") == "lost"}
+    extra = [e for e in parse_entries(theirs, where) if e.get("kind") == "lost" and e["file"] not in have]
+    if extra:
+        lines = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in extra)
+        with local.open("r+b") as handle:
+            keep = mine.rfind(b"\n") + 1
+            try:  # a last line without its newline: whole entries keep it, a torn one is cut (as Journal does)
+                json.loads(mine[keep:] or b"null")
+                handle.seek(0, os.SEEK_END)
+                if keep != len(mine):
+                    handle.write(b"\n")
+            except json.JSONDecodeError:
+                handle.truncate(keep)
+                handle.seek(keep)
+            handle.write(lines.encode())
+            os.fsync(handle.fileno())

@@ -72,3 +72,29 @@ def test_upload_errors_past_retries_fail_the_shard_naming_s3(tmp_path, tiny_mode
     assert proc.returncode != 0
     assert "upload to s3://" in proc.stderr and "InternalError" in proc.stderr
     assert list((tmp_path / "s").rglob("*.safetensors"))  # nothing lost: the files wait for the next run
+
+
+def test_a_retraction_in_the_store_reaches_a_host_whose_journal_is_ahead(tmp_path, s3):
+    """Reconcile appends `lost` to the store's journal; a host that has more entries than the store keeps
+    its own journal and takes the retraction too (otherwise the lost samples would never be redone)."""
+    from hsextract.journal import scan_output
+    from hsextract.upload import fetch_journals
+
+    client, bucket = s3
+    file_a = {"kind": "file", "file": "batch-000001-a.safetensors", "ids": ["a"], "tokens": 3, "bytes": 9,
+              "sha256": "0" * 64, "time": 1.0}
+    file_b = {**file_a, "file": "batch-000002-b.safetensors", "ids": ["b"]}
+    lost = {"kind": "lost", "file": file_a["file"], "why": "not in the store", "time": 2.0}
+    line = lambda e: json.dumps(e, separators=(",", ":")) + "\n"  # noqa: E731
+    S3Store(f"s3://{bucket}/p", client=client).write("shard-00000-of-00001/journal.jsonl",
+                                                     (line(file_a) + line(lost)).encode())
+    local = tmp_path / "shard-00000-of-00001" / "journal.jsonl"
+    local.parent.mkdir()
+    local.write_text(line(file_a) + line(file_b))  # ahead: file_b is not mirrored yet
+    assert fetch_journals(client, f"s3://{bucket}/p", tmp_path) == 1
+    entries = [json.loads(l) for l in local.read_text().splitlines()]
+    assert entries == [file_a, file_b, lost]
+    state = scan_output(tmp_path)
+    assert set(state.written) == {"b"}, "a's file is retracted, so a is redone; b stays written"
+    assert fetch_journals(client, f"s3://{bucket}/p", tmp_path) == 1  # sizes differ, nothing new merged
+    assert [json.loads(l) for l in local.read_text().splitlines()] == entries

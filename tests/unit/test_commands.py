@@ -104,3 +104,27 @@ def test_launch_does_not_adopt_a_zombie_with_the_recorded_pid(tmp_path):
         assert out.startswith("LAUNCHED ") and not out.startswith(f"ADOPT {pid}"), out
     finally:
         os.waitpid(pid, 0)
+
+
+def test_launch_env_is_quoted_and_unset_names_are_removed(tmp_path):
+    import pytest
+
+    ctrl = tmp_path / "ctrl"
+    script = tmp_path / "envdump"  # stands in for the interpreter: records the worker's environment
+    script.write_text(f"#!/bin/sh\nenv > {tmp_path / 'env.txt'}\n")
+    script.chmod(0o755)
+    odd = f"x;touch {tmp_path / 'pwned'} $(touch {tmp_path / 'pwned'})"
+    cmd = launch_cmd(str(ctrl), str(tmp_path), "d" * 64, str(script), 0, [], "/j", wait_s=0.5,
+                     env={"AWS_DEFAULT_REGION": odd}, unset=("AWS_ACCESS_KEY_ID",))
+    out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=20,
+                         env={"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "inherited"})
+    assert out.stdout.startswith("LAUNCHED "), out
+    for _ in range(50):
+        if (tmp_path / "env.txt").is_file() and (tmp_path / "env.txt").read_text():
+            break
+        __import__("time").sleep(0.1)
+    env = (tmp_path / "env.txt").read_text()
+    assert f"AWS_DEFAULT_REGION={odd}\n" in env and "AWS_ACCESS_KEY_ID" not in env
+    assert not (tmp_path / "pwned").exists()
+    with pytest.raises(ValueError, match="not allowed"):
+        launch_cmd(str(ctrl), str(tmp_path), "d", "p", 0, [], "/j", env={"A;rm -rf /": "x"})
