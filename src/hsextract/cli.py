@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--retry-skipped", default="", metavar="REASONS",
                     help="comma-separated skip reasons to try again (e.g. oom,nonfinite_states)")
 
-    inspect = sub.add_parser("inspect", help="count and verify what an output directory holds")
-    inspect.add_argument("out", help="output directory or file:// URI")
+    inspect = sub.add_parser("inspect", help="count and verify what an output (directory or s3://) holds")
+    inspect.add_argument("out", help="output directory, file:// or s3:// URI")
     inspect.add_argument("--verify", action="store_true", help="check every file's sha256 against the journal")
 
     tiny = sub.add_parser("make-tiny", help="build a tiny random Qwen3.5 hybrid model and a chat dataset")
