@@ -157,7 +157,7 @@ def extract(
             already = _done_in_store(output, client, num_shards) if upload else _done_locally(out_dir, num_shards)
         except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
             log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
-                        "each skips what its journal already holds", run_name or "", output, exc)
+                        "each skips what its journal already holds", run, output, exc)
     todo = deque(s for s in requested if s not in already)
     log.info("run %s: %d shard(s) requested, %d already complete, %d GPU slot(s) on %d host(s)",
              run, len(requested), len(already), len(slots), len(inventory.hosts))
