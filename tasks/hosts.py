@@ -7,7 +7,6 @@ which names the host and command and says whether a retry may help. `put` writes
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import subprocess

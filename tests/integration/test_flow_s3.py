@@ -8,7 +8,6 @@ task states or any other file (grepped for, while the run goes on and after it).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 import uuid
