@@ -25,19 +25,16 @@ def _local(path_or_uri: str | Path) -> Path:
 
 def _s3_state(uri: str, client):
     """Merged journals mirrored under an s3:// output (they name only objects verified in the store)."""
-    from .journal import JOURNAL_NAME, merge_journals, parse_entries
-    from .upload import split_uri
+    from .journal import merge_journals, parse_entries
+    from .upload import split_uri, store_journals
 
     bucket, prefix = split_uri(uri)
     base = f"{prefix}/" if prefix else ""
-    keys = sorted(o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base)
-                  for o in page.get("Contents", []))
     journals = []
-    for key in keys:
-        parts = key[len(base):].split("/")
-        if len(parts) == 2 and parts[0].startswith("shard-") and parts[1] == JOURNAL_NAME:
-            data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-            journals.append((parts[0], list(parse_entries(data, f"s3://{bucket}/{key}"))))
+    for obj in store_journals(client, uri):
+        key = obj["Key"]
+        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        journals.append((key[len(base):].split("/")[0], list(parse_entries(data, f"s3://{bucket}/{key}"))))
     if not journals:
         raise FileNotFoundError(f"{uri}: no shard journals under this prefix (not an extraction output)")
     return bucket, base, merge_journals(journals)

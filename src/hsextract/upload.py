@@ -265,6 +265,22 @@ class UploadFailed(Exception):
     """The uploader gave up (after retries) or found a mismatch: the shard cannot complete."""
 
 
+def store_journals(client, uri: str) -> list[dict]:
+    """The shard journals under `uri` (list_objects_v2 entries, paginated, sorted by key): one per
+    `<prefix>/shard-*/journal.jsonl`."""
+    from .journal import JOURNAL_NAME
+
+    bucket, prefix = split_uri(uri)
+    base = f"{prefix}/" if prefix else ""
+    found = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+        for obj in page.get("Contents", []):
+            parts = obj["Key"][len(base):].split("/")
+            if len(parts) == 2 and parts[0].startswith("shard-") and parts[1] == JOURNAL_NAME:
+                found.append(obj)
+    return sorted(found, key=lambda o: o["Key"])
+
+
 def fetch_journals(client, uri: str, spool_root: Path) -> int:
     """Copy every shard journal under `uri` into the spool where the local one is absent or shorter.
 
@@ -273,25 +289,20 @@ def fetch_journals(client, uri: str, spool_root: Path) -> int:
     bucket, prefix = split_uri(uri)
     base = f"{prefix}/" if prefix else ""
     fetched = 0
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
-        for obj in page.get("Contents", []):
-            rel = obj["Key"][len(base):]
-            parts = rel.split("/")
-            if len(parts) != 2 or parts[1] != "journal.jsonl" or not parts[0].startswith("shard-"):
-                continue
-            local = spool_root / rel
-            if local.exists() and local.stat().st_size == obj["Size"]:
-                continue
-            data = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-            mine = local.read_bytes() if local.exists() else b""
-            if data.startswith(mine):  # absent or behind here: take the store's
-                local.parent.mkdir(parents=True, exist_ok=True)
-                tmp = local.with_name(f".{local.name}.fetch.tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, local)
-            else:  # this host is ahead: keep its journal, plus what reconcile retracted in the store
-                _merge_retractions(local, mine, data, obj["Key"])
-            fetched += 1
+    for obj in store_journals(client, uri):
+        local = spool_root / obj["Key"][len(base):]
+        if local.exists() and local.stat().st_size == obj["Size"]:
+            continue
+        data = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+        mine = local.read_bytes() if local.exists() else b""
+        if data.startswith(mine):  # absent or behind here: take the store's
+            local.parent.mkdir(parents=True, exist_ok=True)
+            tmp = local.with_name(f".{local.name}.fetch.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, local)
+        else:  # this host is ahead: keep its journal, plus what reconcile retracted in the store
+            _merge_retractions(local, mine, data, obj["Key"])
+        fetched += 1
     return fetched
 
 
