@@ -16,14 +16,18 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
+from prefect.events import emit_event
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `prefect deployment run` starts flows with the project root elsewhere
     sys.path.insert(0, str(ROOT))
 
+from tasks.board import Board, read_attempts, run_key  # noqa: E402
 from tasks.bundle import build_bundle  # noqa: E402
 from tasks.deploy import deploy  # noqa: E402
 from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory  # noqa: E402
@@ -73,9 +77,9 @@ def default_run_name(output: str) -> str:
 
 
 def worker_args(model, data, out, layers, max_length, token_budget, device, heartbeat_s,
-                s3_endpoint: str | None = None) -> tuple[str, ...]:
+                s3_endpoint: str | None = None, dtype: str = "auto") -> tuple[str, ...]:
     args = ["--model", model, "--data", data, "--out", out, "--layers", layers,
-            "--token-budget", str(token_budget), "--device", device, "--progress", "log",
+            "--token-budget", str(token_budget), "--device", device, "--dtype", dtype, "--progress", "log",
             "--heartbeat-interval", str(heartbeat_s)]
     if max_length is not None:
         args += ["--max-length", str(max_length)]
@@ -117,28 +121,59 @@ def _done_in_store(output: str, client, num_shards: int) -> set[int]:
     return done
 
 
+LayerSpec = Annotated[str, Field(pattern=r"^\s*(dflash:[1-9]\d*|eagle3|\d+(\s*,\s*\d+)*)\s*$",
+                                  description="dflash:N, eagle3, or layer ids like 1,16,31")]
+OutputUri = Annotated[str, Field(pattern=r"^(file:///|/|s3://[^/\s]+)",
+                                 description="file:///absolute/path or s3://bucket/prefix")]
+Positive = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(gt=0)]
+#: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
+PARAMETERS = ("model", "data", "output", "hosts", "layers", "num_shards", "shards", "run_name", "aws_credentials",
+              "max_length", "dtype", "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s",
+              "stall_timeout_s", "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts",
+              "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s")
+
+
 @flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True)
 def extract(
-    model: str,
-    data: str,
-    output: str,
-    hosts: str,
-    layers: str = "dflash:5",
-    num_shards: int | None = None,
-    shards: list[int] | None = None,
-    run_name: str | None = None,
+    model: Annotated[str, Field(min_length=1)],
+    data: Annotated[str, Field(min_length=1)],
+    output: OutputUri,
+    hosts: Annotated[str, Field(min_length=1)],
+    layers: LayerSpec = "dflash:5",
+    num_shards: Positive | None = None,
+    shards: list[Annotated[int, Field(ge=0)]] | None = None,
+    run_name: Annotated[str, Field(min_length=1, max_length=200)] | None = None,
     aws_credentials: str | None = None,
-    max_length: int | None = None,
-    token_budget: int = 8192,
-    device: str = "auto",
-    heartbeat_interval_s: float = 2.0,
-    launch_timeout_s: float = 60.0,
-    stall_timeout_s: float = 60.0,
-    poll_interval_s: float = 2.0,
-    host_timeout_s: float = 60.0,
+    max_length: Positive | None = None,
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+    token_budget: Positive = 8192,
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto",
+    heartbeat_interval_s: Seconds = 2.0,
+    launch_timeout_s: Seconds = 60.0,
+    stall_timeout_s: Seconds = 60.0,
+    poll_interval_s: Seconds = 2.0,
+    host_timeout_s: Seconds = 60.0,
     verify_checksums: bool = False,
+    max_attempts: Positive = 3,
+    reset_attempts: bool = False,
+    rerun_depth: Annotated[int, Field(ge=0)] = 0,
+    max_reruns: Annotated[int, Field(ge=0)] = 10,
+    status_interval_s: Seconds = 15.0,
 ):
+    """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
+
+    A shard that failed `max_attempts` times in this run (counted across runs of the same `run_name`) is not
+    launched again until `reset_attempts=true`. A failed run with shards under the cap emits
+    `extract.run.incomplete`, which the re-run automation turns into a run of exactly those shards;
+    `rerun_depth` counts such automated re-runs and `max_reruns` bounds them.
+    """
+    params = {name: value for name, value in locals().items() if name in PARAMETERS}
     log = get_run_logger()
+    run = run_name or default_run_name(output)
+    if rerun_depth > max_reruns:
+        raise RunIncomplete(f"run {run}: this is automated re-run {rerun_depth}, over max_reruns={max_reruns}: "
+                            f"not run. Look at the failures of the earlier runs, then start it again by hand")
     inventory = resolve_inventory(hosts)
     out_dir = local_output(output)
     upload = out_dir is None
@@ -149,7 +184,6 @@ def extract(
     bad = [s for s in requested if not 0 <= s < num_shards]
     if bad:
         raise ValueError(f"shards={bad}: out of range for num_shards={num_shards}")
-    run = run_name or default_run_name(output)
     already: set[int] = set()
     client = access.client() if upload else None
     if shards is None:
@@ -158,51 +192,118 @@ def extract(
         except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
             log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
                         "each skips what its journal already holds", run, output, exc)
-    todo = deque(s for s in requested if s not in already)
-    log.info("run %s: %d shard(s) requested, %d already complete, %d GPU slot(s) on %d host(s)",
-             run, len(requested), len(already), len(slots), len(inventory.hosts))
+    prior = {} if reset_attempts else _read_attempts(run, log)
+    board = Board(run, num_shards, requested, status_interval_s, related=_related_resources(), prior=prior)
+    capped = {s for s in requested if s not in already and board.failed_attempts(s) >= max_attempts}
+    todo = deque(s for s in requested if s not in already and s not in capped)
+    log.info("run %s: %d shard(s) requested, %d already complete, %d at the attempt cap, %d GPU slot(s) on "
+             "%d host(s)", run, len(requested), len(already), len(capped), len(slots), len(inventory.hosts))
     policy = Policy(launch_timeout_s=launch_timeout_s, poll_interval_s=poll_interval_s,
                     stall_timeout_s=stall_timeout_s, host_timeout_s=host_timeout_s)
 
-    bundle = build_bundle(ROOT)
-    healthy, failures = deploy_hosts(inventory, bundle, worker_version()) if todo else (set(), {})
-    args = worker_args(model, data, output if upload else out_dir, layers, max_length, token_budget, device,
-                       heartbeat_interval_s, access.endpoint_url if upload else None)
-    env = (("AWS_DEFAULT_REGION", access.region),) if upload and access.region else ()
+    failures: dict[str, str] = {}
+    with board:
+        for s in sorted(already):
+            board.set_state(s, "complete", "already complete")
+        for s in sorted(capped):
+            why = (f"attempt cap reached: failed {board.failed_attempts(s)} time(s) (max_attempts={max_attempts}), "
+                   f"last on host {board.last_failed_host(s) or '?'}; not launched again. Fix the cause, then run "
+                   f"with reset_attempts=true")
+            board.set_state(s, "capped", why)
+            failures[f"shard {s}"] = why
+        bundle = build_bundle(ROOT)
+        healthy, host_failures = deploy_hosts(inventory, bundle, worker_version()) if todo else (set(), {})
+        failures.update(host_failures)
+        args = worker_args(model, data, output if upload else out_dir, layers, max_length, token_budget, device,
+                           heartbeat_interval_s, access.endpoint_url if upload else None, dtype)
+        env = (("AWS_DEFAULT_REGION", access.region),) if upload and access.region else ()
 
-    def job_on(slot: tuple[str, int], shard: int) -> ShardJob:
-        spec = inventory.host(slot[0])
-        return ShardJob(run, shard, num_shards, slot[0], slot[1], spec.workdir, spec.python, bundle.sha256,
-                        out_dir or "", args, upload=upload, aws_credentials=aws_credentials if upload else None,
-                        env=env)
+        def job_on(slot: tuple[str, int], shard: int) -> ShardJob:
+            spec = inventory.host(slot[0])
+            return ShardJob(run, shard, num_shards, slot[0], slot[1], spec.workdir, spec.python, bundle.sha256,
+                            out_dir or "", args, upload=upload,
+                            aws_credentials=aws_credentials if upload else None, env=env)
 
-    free = deque(slot for slot in slots if slot[0] in healthy)
-    outcomes, shard_failures = run_shards(todo, free, job_on, inventory, policy)
+        free = deque(slot for slot in slots if slot[0] in healthy)
+        outcomes, shard_failures = run_shards(todo, free, job_on, inventory, policy, board)
+        failures.update(shard_failures)
     outcomes.update({s: "done (already complete)" for s in already})
-    failures.update(shard_failures)
+    outcomes.update({s: "capped" for s in capped})
     summary = {"run_name": run, "output": output, "num_shards": num_shards,
                "shards": {str(s): outcomes.get(s, "failed") for s in requested}}
     if failures:
+        failed = [s for s in requested if summary["shards"][str(s)] not in ("done", "done (already complete)")]
+        rerun = [s for s in failed if board.failed_attempts(s) < max_attempts]
+        note = _request_rerun(run, params, rerun, failed, rerun_depth, max_reruns, log)
         text = "\n".join(f"- {where}: {why}" for where, why in sorted(failures.items()))
-        raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}:\n{text}")
+        raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}; {note}:\n{text}")
     log.info("run %s: all %d requested shard(s) complete", run, len(requested))
     if (upload or Path(out_dir).is_dir()) and Path(data).is_file():
         checked = reconcile(output if upload else out_dir, data, num_shards, verify_checksums,
                             artifact_key=_artifact_key(run), aws_credentials=aws_credentials)
         summary["reconcile"] = checked
-        if set(checked["shards_to_rerun"]) & set(requested):
+        redo = sorted(set(checked["shards_to_rerun"]) & set(requested))
+        if redo:
+            note = _request_rerun(run, params, redo, redo, rerun_depth, max_reruns, log)
             raise RunIncomplete(f"run {run}: reconcile found {checked['missing']} sample(s) missing "
                                 f"({checked['missing_objects']} object(s) missing, {checked['corrupt_objects']} "
                                 f"corrupt); re-run shards {checked['shards_to_rerun']} (their journals now say "
-                                f"which files were lost, so a re-run redoes exactly those samples)")
+                                f"which files were lost, so a re-run redoes exactly those samples); {note}")
     else:
         log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the "
                     "orchestrator (file:// output on remote hosts, or a dataset path only the hosts have)", run, data)
     return summary
 
 
+def _read_attempts(run: str, log) -> dict[int, tuple[int, str]]:
+    try:
+        return read_attempts(run)
+    except Exception as exc:  # no record is not a reason to stop; say the cap starts from zero
+        log.warning("run %s: earlier attempts unreadable (%s): the attempt cap counts from this run", run, exc)
+        return {}
+
+
+def _related_resources() -> list[dict]:
+    """The flow run, its flow and deployment: what `extract.*` events are related to (automations match these)."""
+    from prefect.runtime import deployment, flow_run
+
+    related = []
+    if flow_run.id:
+        related.append({"prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                        "prefect.resource.role": "flow-run", "prefect.resource.name": flow_run.name or ""})
+    related.append({"prefect.resource.id": f"prefect.flow.{flow_run.flow_name or 'extract'}",
+                    "prefect.resource.role": "flow", "prefect.resource.name": "extract"})
+    if deployment.id:
+        related.append({"prefect.resource.id": f"prefect.deployment.{deployment.id}",
+                        "prefect.resource.role": "deployment", "prefect.resource.name": deployment.name or ""})
+    return related
+
+
+RERUN_EVENT = "extract.run.incomplete"
+
+
+def _request_rerun(run: str, params: dict, rerun: list[int], failed: list[int], depth: int, max_reruns: int,
+                   log) -> str:
+    """Emit `extract.run.incomplete` asking for a run of `rerun` (the re-run automation acts on it); says what."""
+    capped = sorted(set(failed) - set(rerun))
+    if not rerun:
+        return (f"no re-run requested: shard(s) {capped} are at the attempt cap" if capped
+                else "no re-run requested")
+    if depth >= max_reruns:
+        return f"no re-run requested: {depth} automated re-run(s) already, max_reruns={max_reruns}"
+    parameters = {**params, "run_name": run, "shards": rerun, "rerun_depth": depth + 1, "reset_attempts": False}
+    emit_event(RERUN_EVENT, resource={"prefect.resource.id": f"hsextract.run.{run_key(run)}",
+                                      "prefect.resource.name": run, "hsextract.run": run},
+               related=_related_resources(),
+               payload={"run_name": run, "rerun": rerun, "capped": capped, "parameters": parameters})
+    log.info("run %s: asked for a re-run of shard(s) %s (automated re-run %d)%s", run, rerun, depth + 1,
+             f"; shard(s) {capped} are at the attempt cap" if capped else "")
+    return (f"re-run of shard(s) {rerun} requested ({RERUN_EVENT}, re-run {depth + 1} of at most {max_reruns})"
+            + (f"; shard(s) {capped} at the attempt cap" if capped else ""))
+
+
 def _artifact_key(run: str) -> str:
-    return "reconcile-" + re.sub(r"[^a-z0-9-]", "-", run.lower())
+    return "reconcile-" + run_key(run)
 
 
 def deploy_hosts(inventory: Inventory, bundle, version: str) -> tuple[set[str], dict[str, str]]:
@@ -218,17 +319,22 @@ def deploy_hosts(inventory: Inventory, bundle, version: str) -> tuple[set[str], 
     return healthy, failures
 
 
-def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: Policy):
+def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: Policy, board: Board):
     """Launch then supervise each shard on a free GPU slot; a slot takes the next shard when it frees up.
 
     Each shard has a driver thread (with the flow's context) that calls the launch task, then the
     supervise task, directly: a failed launch raises in its driver, so no task is ever left Pending or
-    NotReady, and results never queue behind one scheduler thread. Returns ({shard: "done"}, {"shard N": why}).
+    NotReady, and results never queue behind one scheduler thread. A shard that last failed on some host
+    goes to a slot on another host when one is free. Every state change goes to `board` (UI, events).
+    Returns ({shard: "done"}, {"shard N": why}).
     """
     if not todo:
         return {}, {}
     if not free:
-        return {}, {f"shard {s}": "no healthy host to run it on" for s in todo}
+        why = "no healthy host to run it on (every host failed its deploy check)"
+        for s in todo:
+            board.set_state(s, "failed", why)
+        return {}, {f"shard {s}": why for s in todo}
     outcomes, failures = {}, {}
     log = get_run_logger()
     first_wave, started = min(len(todo), len(free)), time.monotonic()
@@ -236,13 +342,22 @@ def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: P
 
     def drive(job: ShardJob) -> dict:
         try:
+            board.set_state(job.shard, "launching", host=job.host, gpu=job.gpu)
             launched = launch(job, inventory, policy)
+            board.set_state(job.shard, "running", "adopted" if launched.adopted else "launched", pid=launched.pid,
+                            adopted=launched.adopted, seconds_to_proof=launched.seconds)
             with lock:
                 proved[0] += 1
                 if proved[0] == first_wave:
                     log.info("all %d shard(s) of the first wave verified running, %.1fs after the first launch",
                              first_wave, time.monotonic() - started)
-            return supervise(job, launched, inventory, policy)
+            summary = supervise(job, launched, inventory, policy,
+                                on_probe=lambda beat, age: board.beat(job.shard, beat, age))
+            board.set_state(job.shard, "done", "complete", samples_done=summary.get("samples_done"))
+            return summary
+        except Exception as exc:
+            board.set_state(job.shard, "failed", str(exc) or type(exc).__name__)
+            raise
         finally:
             try:
                 forget_credentials(job, inventory)
@@ -250,12 +365,21 @@ def run_shards(todo: deque, free: deque, job_on, inventory: Inventory, policy: P
                 log.warning("%s: credentials file %s may remain on the host: %s", job.label,
                             job.credentials_path, exc)
 
+    def take_slot(shard: int) -> tuple[str, int]:
+        avoid = board.last_failed_host(shard)
+        for i, slot in enumerate(free):
+            if slot[0] != avoid:
+                del free[i]
+                return slot
+        return free.popleft()
+
     active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
     with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as pool:
         while todo or active:
             while todo and free:
-                slot = free.popleft()
-                job = job_on(slot, todo.popleft())
+                shard = todo.popleft()
+                slot = take_slot(shard)
+                job = job_on(slot, shard)
                 active[pool.submit(contextvars.copy_context().run, drive, job)] = (job, slot)
             done, _ = cf.wait(list(active), return_when=cf.FIRST_COMPLETED)
             for future in done:

@@ -153,8 +153,10 @@ def _exit_code(state: Probe) -> int | None:
     return None if state.exit is None else int(state.exit.get("code", -1))
 
 
-def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Policy, log=None) -> dict:
-    """Poll until the shard is done (returns its summary) or not (raises ShardFailed)."""
+def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Policy, log=None, on_probe=None) -> dict:
+    """Poll until the shard is done (returns its summary) or not (raises ShardFailed).
+
+    `on_probe(heartbeat, heartbeat_age)`, when given, sees every successful probe (the UI's view)."""
     last_ok = time.monotonic()
     last_progress, progress_at = None, time.monotonic()
     last_log = 0.0
@@ -170,6 +172,8 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Polic
         last_ok = time.monotonic()
         if state.pid != launched.pid or state.pid_start != launched.start:
             raise _failure(job, f"pid {launched.pid} was replaced by another launch (pid {state.pid})", state)
+        if on_probe is not None:
+            on_probe(state.heartbeat, state.heartbeat_age)
         code = _exit_code(state)
         if code is not None:
             if code == 0 and (state.journal_last or {}).get("kind") == "done":
@@ -223,8 +227,8 @@ def launch(job: ShardJob, inventory: Inventory, policy: Policy) -> Launched:
 
 
 @task(name="supervise", cache_policy=NO_CACHE, task_run_name="supervise-shard-{job.shard}")
-def supervise(job: ShardJob, launched: Launched, inventory: Inventory, policy: Policy) -> dict:
+def supervise(job: ShardJob, launched: Launched, inventory: Inventory, policy: Policy, on_probe=None) -> dict:
     with connect(inventory.host(job.host), inventory) as host:
-        summary = supervise_shard(host, job, launched, policy, get_run_logger())
+        summary = supervise_shard(host, job, launched, policy, get_run_logger(), on_probe)
     get_run_logger().info("%s: done: %s", job.label, json.dumps(summary))
     return summary

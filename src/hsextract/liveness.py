@@ -2,7 +2,8 @@
 
 Files in the status directory (default: the shard's directory under a local output):
   heartbeat.json  {"time", "pid", "shard", "num_shards", "phase", "samples_done", "samples_total",
-                   "samples_skipped", "tokens_done", "tokens_per_s", "files", "bytes", "last_batch", ...}
+                   "samples_skipped", "tokens_done", "tokens_per_s", "files", "bytes", "last_batch",
+                   "spool_bytes", "files_uploaded", "bytes_uploaded", ...}
   exit.json       {"time", "pid", "code", "reason"}
 Both are replaced atomically (temp file + rename), so a reader never sees half a file.
 """
@@ -59,6 +60,7 @@ class Progress:
     spool_bytes: int = 0        # written, waiting for upload (s3:// output)
     upload_paused: bool = False  # extraction waits for uploads (spool over its high-water mark)
     files_uploaded: int = 0
+    bytes_uploaded: int = 0
     started_at: float = field(default_factory=time.time)
     extract_started_at: float | None = None
 

@@ -231,6 +231,7 @@ class BackgroundUploader:
                     self.bytes_uploaded += entry["bytes"]
                     if self.spool.progress is not None:
                         self.spool.progress.files_uploaded = self.files_uploaded
+                        self.spool.progress.bytes_uploaded = self.bytes_uploaded
                     self._in_flight -= 1
                     caught_up = self._in_flight == 0 and self._queue.empty()
                 self.spool.remove(entry["bytes"])
