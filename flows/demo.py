@@ -1,8 +1,11 @@
-"""The embedded default, end to end: `python -m flows.demo [--hosts inventory.yaml]`.
+"""The embedded default, end to end: `python -m flows.demo [--hosts inventory.yaml] [--served]`.
 
 Builds a tiny random Qwen3.5 hybrid model and a chat dataset, runs the `extract` flow on this machine
 (the local host, two slots) or on the SSH hosts of an inventory, writes to local storage (file://), then
-counts and verifies what landed. Prefect starts a temporary local server unless PREFECT_API_URL is set.
+counts and verifies what landed. By default the flow is called directly and Prefect starts a temporary
+local server (unless PREFECT_API_URL is set). With --served it goes the way users run it: a Prefect server
+(SQLite under the work directory), the deployments and automations of deployments/qwen.py, a process
+worker, and `prefect deployment run extract/qwen --watch`; server and worker stay up for the UI.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from flows.extract import extract  # noqa: E402
 
+DEMO = dict(layers="dflash:3", token_budget=2048, heartbeat_interval_s=1.0, poll_interval_s=0.5)
+
 
 def hsextract(*args: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "hsextract", *args], capture_output=True, text=True, check=True)
@@ -30,6 +35,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--hosts", help="inventory YAML (default: this machine, 2 slots, no SSH)")
     ap.add_argument("--run-name", default="demo")
+    ap.add_argument("--served", action="store_true",
+                    help="through a Prefect server, the extract/qwen deployment and a worker, left running")
     args = ap.parse_args()
     work = args.workdir.resolve()
     assets = hsextract("make-tiny", "--model", str(work / "model"), "--data", str(work / "data.jsonl"),
@@ -40,8 +47,11 @@ def main() -> int:
         Path(hosts).write_text(json.dumps({"hosts": [{"name": "local", "hostname": "local", "gpus": [0, 1],
                                                       "workdir": str(work / "hostwork"), "python": sys.executable}]}))
     output = f"file://{work / 'out'}"
-    summary = extract(model=assets["model"], data=assets["data"], output=output, hosts=hosts, layers="dflash:3",
-                      run_name=args.run_name, token_budget=2048, heartbeat_interval_s=1.0, poll_interval_s=0.5)
+    if args.served:
+        summary, ui = served(work, assets, output, hosts, args.run_name)
+    else:
+        summary, ui = extract(model=assets["model"], data=assets["data"], output=output, hosts=hosts,
+                              run_name=args.run_name, **DEMO), None
     found = hsextract("inspect", "--verify", output)
     print(f"\nrun {summary['run_name']}: shards {summary['shards']}")
     rec = summary.get("reconcile", {})
@@ -51,9 +61,52 @@ def main() -> int:
           f"{found['files']} files, {found['bytes'] / 1e6:.1f} MB, checksums verified, under {found['out']}")
     print("read them:  .venv/bin/python -c \"import hsextract; s = next(hsextract.read_samples("
           f"'{found['out']}')); print(s['id'], s['hidden_states'].shape)\"")
-    print("see runs in the UI:  .venv/bin/prefect server start  (then export PREFECT_API_URL="
-          "http://127.0.0.1:4200/api and run this again)")
+    if ui:
+        print(ui)
+    else:
+        print("see it in the UI:  bash scripts/demo.sh --served  (a Prefect server, the extract/qwen deployment "
+              "and a worker, left running)")
     return 0
+
+
+def served(work: Path, assets: dict, output: str, hosts: str, run_name: str) -> tuple[dict, str]:
+    """Server (unless PREFECT_API_URL is set), deployments + automations, worker, `prefect deployment run`."""
+    import os
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from deployments.local import PrefectServer, start_worker
+    from deployments.qwen import register
+
+    server = None
+    if not os.environ.get("PREFECT_API_URL"):
+        server = PrefectServer(work / "prefect").__enter__()  # left running: the UI is the point
+    env = server.env if server else {"PREFECT_API_URL": os.environ["PREFECT_API_URL"]}
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        overrides = {k: v for k, v in DEMO.items() if k != "layers"}
+        register(assets["model"], assets["data"], output, hosts, pool="hsextract-demo",
+                 overrides={**overrides, "layers": DEMO["layers"], "max_length": 512, "dtype": "auto"})
+        worker = start_worker("hsextract-demo", env, work / "worker.log")
+        proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "extract/qwen", "--watch",
+                               "--param", f"run_name={run_name}"], env={**os.environ, **env}, text=True,
+                              capture_output=True)
+        print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
+        if proc.returncode != 0:
+            raise SystemExit(f"prefect deployment run extract/qwen failed (rc {proc.returncode}); worker log: "
+                             f"{work / 'worker.log'}")
+        from prefect.artifacts import Artifact
+
+        from tasks.board import table_key
+
+        table = Artifact.get(table_key(run_name))
+        rows = json.loads(table.data) if table else []
+    summary = {"run_name": run_name, "shards": {str(r["shard"]): r["state"] for r in rows}}
+    sealed = Path(output.removeprefix("file://"), "_SUCCESS")  # the reconcile's summary, written when complete
+    summary["reconcile"] = json.loads(sealed.read_text()) if sealed.is_file() else {}
+    ui = env["PREFECT_API_URL"].removesuffix("/api")
+    pids = " ".join(str(p) for p in ([server.process.pid] if server else []) + [worker.pid])
+    return summary, (f"UI: {ui}  (flow runs, the shard table and progress artifacts, events)\n"
+                     f"server and worker keep running (pids {pids}); stop them with:  kill {pids}")
 
 
 if __name__ == "__main__":

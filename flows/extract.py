@@ -255,7 +255,7 @@ def extract(
     return summary
 
 
-def _read_attempts(run: str, log) -> dict[int, tuple[int, str]]:
+def _read_attempts(run: str, log) -> dict:
     try:
         return read_attempts(run)
     except Exception as exc:  # no record is not a reason to stop; say the cap starts from zero
@@ -265,17 +265,19 @@ def _read_attempts(run: str, log) -> dict[int, tuple[int, str]]:
 
 def _related_resources() -> list[dict]:
     """The flow run, its flow and deployment: what `extract.*` events are related to (automations match these)."""
-    from prefect.runtime import deployment, flow_run
+    from prefect.context import FlowRunContext
 
-    related = []
-    if flow_run.id:
-        related.append({"prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
-                        "prefect.resource.role": "flow-run", "prefect.resource.name": flow_run.name or ""})
-    related.append({"prefect.resource.id": f"prefect.flow.{flow_run.flow_name or 'extract'}",
-                    "prefect.resource.role": "flow", "prefect.resource.name": "extract"})
-    if deployment.id:
-        related.append({"prefect.resource.id": f"prefect.deployment.{deployment.id}",
-                        "prefect.resource.role": "deployment", "prefect.resource.name": deployment.name or ""})
+    ctx = FlowRunContext.get()
+    run = ctx.flow_run if ctx else None
+    if run is None:
+        return []
+    related = [{"prefect.resource.id": f"prefect.flow-run.{run.id}", "prefect.resource.role": "flow-run",
+                "prefect.resource.name": run.name or ""},
+               {"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow",
+                "prefect.resource.name": "extract"}]
+    if run.deployment_id:
+        related.append({"prefect.resource.id": f"prefect.deployment.{run.deployment_id}",
+                        "prefect.resource.role": "deployment"})
     return related
 
 

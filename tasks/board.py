@@ -75,13 +75,21 @@ def _one_line(text: str) -> str:
     return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 
-def read_attempts(run: str) -> dict[int, tuple[int, str]]:
-    """{shard: (failed attempts, last failing host)} from the latest status table of `run` (empty if none)."""
+@dataclass(frozen=True)
+class Attempts:
+    failed: int = 0
+    host: str = ""   # where it last failed
+    error: str = ""  # its last error, one line
+
+
+def read_attempts(run: str) -> dict[int, Attempts]:
+    """{shard: Attempts} from the latest status table of `run` (empty if there is none yet)."""
     artifact = Artifact.get(table_key(run))
     if artifact is None or not artifact.data:
         return {}
     rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-    return {int(r["shard"]): (int(r.get("failed_attempts") or 0), r.get("last_failed_host") or "")
+    return {int(r["shard"]): Attempts(int(r.get("failed_attempts") or 0), r.get("last_failed_host") or "",
+                                      r.get("last_error") or "")
             for r in rows if isinstance(r, dict) and "shard" in r}
 
 
@@ -94,13 +102,14 @@ class Board:
     shards: list[int]
     interval_s: float = 15.0
     related: list[dict] = field(default_factory=list)
-    prior: dict[int, tuple[int, str]] = field(default_factory=dict)
+    prior: dict[int, Attempts] = field(default_factory=dict)
 
     def __post_init__(self):
         self.rows = {s: Row(s) for s in self.shards}
-        for shard, (failed, host) in self.prior.items():
+        for shard, seen in self.prior.items():
             if shard in self.rows:
-                self.rows[shard].failed_attempts, self.rows[shard].last_failed_host = failed, host
+                row = self.rows[shard]
+                row.failed_attempts, row.last_failed_host, row.last_error = seen.failed, seen.host, seen.error
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._stop = threading.Event()
