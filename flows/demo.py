@@ -90,7 +90,7 @@ def served(work: Path, assets: dict, output: str, hosts: str, run_name: str) -> 
         proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "extract/qwen", "--watch",
                                "--param", f"run_name={run_name}"], env={**os.environ, **env}, text=True,
                               capture_output=True)
-        print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
+        print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:]))
         if proc.returncode != 0:
             raise SystemExit(f"prefect deployment run extract/qwen failed (rc {proc.returncode}); worker log: "
                              f"{work / 'worker.log'}")

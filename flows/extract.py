@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `prefect deployment run` starts flows with the project root elsewhere
     sys.path.insert(0, str(ROOT))
 
-from tasks.board import Board, read_attempts, run_key  # noqa: E402
+from tasks.board import Board, read_table, run_key  # noqa: E402
 from tasks.bundle import build_bundle  # noqa: E402
 from tasks.deploy import deploy  # noqa: E402
 from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory  # noqa: E402
@@ -192,7 +192,9 @@ def extract(
         except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
             log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
                         "each skips what its journal already holds", run, output, exc)
-    prior = {} if reset_attempts else _read_attempts(run, log)
+    prior = _read_table(run, num_shards, log)
+    if reset_attempts:
+        prior = {s: {**row, "failed_attempts": 0} for s, row in prior.items()}
     board = Board(run, num_shards, requested, status_interval_s, related=_related_resources(), prior=prior)
     capped = {s for s in requested if s not in already and board.failed_attempts(s) >= max_attempts}
     todo = deque(s for s in requested if s not in already and s not in capped)
@@ -255,9 +257,9 @@ def extract(
     return summary
 
 
-def _read_attempts(run: str, log) -> dict:
+def _read_table(run: str, num_shards: int, log) -> dict:
     try:
-        return read_attempts(run)
+        return read_table(run, num_shards)
     except Exception as exc:  # no record is not a reason to stop; say the cap starts from zero
         log.warning("run %s: earlier attempts unreadable (%s): the attempt cap counts from this run", run, exc)
         return {}

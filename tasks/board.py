@@ -3,9 +3,10 @@
 - one progress artifact per shard (samples done / total, from the heartbeats);
 - a shard status table artifact, republished every `interval_s` and at every state change: host, GPU, pid,
   state, samples, skipped, tokens/s, heartbeat age, files and bytes written and uploaded, failed
-  attempts, last error. Its latest version is also the run's attempt record: the next run of the same
-  `run_name` reads the failure count and the last failing host of each shard from it (attempt cap,
-  placement away from a host that just failed);
+  attempts, last error, for every shard of the run (shards a run does not touch keep their last row).
+  Its latest version is also the run's attempt record: the next run of the same `run_name` reads the
+  failure count and the last failing host of each shard from it (attempt cap, placement away from a
+  host that just failed);
 - an event on every shard state change, `extract.shard.<state>`, with the shard, host and reason.
 """
 
@@ -40,6 +41,7 @@ def table_key(run: str) -> str:
 @dataclass
 class Row:
     shard: int
+    num_shards: int = 0
     host: str = ""
     gpu: int | None = None
     pid: int | None = None
@@ -61,7 +63,7 @@ class Row:
     progress_sent: float = -1.0
 
     def table(self) -> dict:
-        return {"shard": self.shard, "host": self.host, "gpu": self.gpu, "pid": self.pid, "state": self.state,
+        return {"shard": self.shard, "of": self.num_shards, "host": self.host, "gpu": self.gpu, "pid": self.pid, "state": self.state,
                 "samples": f"{self.samples_done}/{self.samples_total}", "skipped": self.skipped,
                 "tokens_per_s": round(self.tokens_per_s), "heartbeat_age_s":
                     None if self.heartbeat_age_s is None else round(self.heartbeat_age_s, 1),
@@ -75,22 +77,16 @@ def _one_line(text: str) -> str:
     return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 
-@dataclass(frozen=True)
-class Attempts:
-    failed: int = 0
-    host: str = ""   # where it last failed
-    error: str = ""  # its last error, one line
+def read_table(run: str, num_shards: int) -> dict[int, dict]:
+    """{shard: row} of the latest status table of `run` for `num_shards` shards (empty if there is none).
 
-
-def read_attempts(run: str) -> dict[int, Attempts]:
-    """{shard: Attempts} from the latest status table of `run` (empty if there is none yet)."""
+    Rows of another shard count (the run was re-sharded) are ignored: shard i of N is not shard i of M."""
     artifact = Artifact.get(table_key(run))
     if artifact is None or not artifact.data:
         return {}
     rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-    return {int(r["shard"]): Attempts(int(r.get("failed_attempts") or 0), r.get("last_failed_host") or "",
-                                      r.get("last_error") or "")
-            for r in rows if isinstance(r, dict) and "shard" in r}
+    return {int(r["shard"]): r for r in rows
+            if isinstance(r, dict) and "shard" in r and r.get("of", num_shards) == num_shards}
 
 
 @dataclass
@@ -102,14 +98,17 @@ class Board:
     shards: list[int]
     interval_s: float = 15.0
     related: list[dict] = field(default_factory=list)
-    prior: dict[int, Attempts] = field(default_factory=dict)
+    prior: dict[int, dict] = field(default_factory=dict)  # read_table(): the run's earlier rows
 
     def __post_init__(self):
-        self.rows = {s: Row(s) for s in self.shards}
+        self.rows = {s: Row(s, self.num_shards) for s in self.shards}
         for shard, seen in self.prior.items():
-            if shard in self.rows:
+            if shard in self.rows:  # running again: its counts carry over
                 row = self.rows[shard]
-                row.failed_attempts, row.last_failed_host, row.last_error = seen.failed, seen.host, seen.error
+                row.failed_attempts = int(seen.get("failed_attempts") or 0)
+                row.last_failed_host, row.last_error = seen.get("last_failed_host") or "", seen.get("last_error") or ""
+        # shards this run does not touch keep their last row: the table (and the attempt record) stays whole
+        self.carried = {s: r for s, r in self.prior.items() if s not in self.rows and 0 <= s < self.num_shards}
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._stop = threading.Event()
@@ -182,7 +181,8 @@ class Board:
 
     def publish(self) -> None:
         with self._lock:
-            table = [self.rows[s].table() for s in sorted(self.rows)]
+            rows = {**self.carried, **{s: r.table() for s, r in self.rows.items()}}
+        table = [rows[s] for s in sorted(rows)]
         counts: dict[str, int] = {}
         for r in table:
             counts[r["state"]] = counts.get(r["state"], 0) + 1

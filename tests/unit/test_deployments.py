@@ -1,0 +1,67 @@
+"""The re-run automations' parameter templates, rendered by Prefect's own server-side hydration."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+
+from deployments.qwen import RECIPE, automations, defaults, rerun_parameters
+from flows.extract import PARAMETERS, extract
+from tasks.board import run_key
+
+
+def render(parameters: dict, context: dict) -> dict:
+    from prefect.server.events.actions import RunDeployment
+    from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
+
+    parameters = copy.deepcopy(parameters)
+    RunDeployment._upgrade_v1_templates(parameters)
+    return hydrate(parameters, HydrationContext(raise_on_error=True, render_jinja=True, jinja_context=context))
+
+
+class CrashedRun:
+    def __init__(self, parameters):
+        self.parameters = parameters
+
+
+def test_every_flow_parameter_is_passed_on():
+    assert tuple(inspect.signature(extract.fn).parameters) == PARAMETERS
+    for source in ("event", "flow_run"):
+        assert set(rerun_parameters(source)) == set(PARAMETERS)
+
+
+def test_a_crashed_runs_parameters_are_passed_on_with_defaults_and_one_more_rerun():
+    given = {"model": "/m", "data": "/d.jsonl", "output": "s3://b/p", "hosts": "fleet", **RECIPE,
+             "run_name": "r", "shards": [3, 7], "token_budget": 4096}
+    out = render(rerun_parameters("flow_run"), {"flow_run": CrashedRun(given)})
+    assert out["shards"] == [3, 7] and out["token_budget"] == 4096 and out["max_length"] == 4096
+    assert out["rerun_depth"] == 1 and out["num_shards"] is None and out["verify_checksums"] is False
+    assert {k: out[k] for k in defaults() if k not in given and k != "rerun_depth"} == \
+        {k: v for k, v in defaults().items() if k not in given and k != "rerun_depth"}
+    again = render(rerun_parameters("flow_run"), {"flow_run": CrashedRun({**given, "rerun_depth": 4})})
+    assert again["rerun_depth"] == 5
+    extract.validate_parameters(out)  # what the server would enforce
+
+
+def test_the_incomplete_event_payload_is_the_next_runs_parameters():
+    params = {name: defaults().get(name) for name in PARAMETERS}
+    params.update(model="/m", data="/d", output="file:///o", hosts="h.yaml", shards=[1], rerun_depth=2)
+
+    class Event:
+        payload = {"parameters": params}
+
+    assert render(rerun_parameters("event"), {"event": Event()}) == params
+
+
+def test_automations_are_valid_and_named():
+    names = [a.name for a in automations()]
+    assert len(set(names)) == 3 and all(n.startswith("hsextract: ") for n in names)
+
+
+@pytest.mark.parametrize("run,key", [("demo", "demo"), ("Run A", "run-a-"), ("x/../y", "x-y-")])
+def test_run_keys_are_artifact_safe_and_distinct(run, key):
+    assert run_key(run).startswith(key)
+    assert set(run_key(run)) <= set("abcdefghijklmnopqrstuvwxyz0123456789-")
+    assert run_key("Run A") != run_key("run-a")
