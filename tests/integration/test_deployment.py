@@ -187,6 +187,20 @@ def test_prefect_deployment_run_watch_completes_with_the_recipe(served):
                                                                    for r in rows.values()) == 96
 
 
+def test_the_scheduled_rerun_deployment_launches_nothing_when_the_run_is_complete(served):
+    from prefect.deployments import run_deployment
+
+    with client() as c:
+        deployment = c.read_deployment_by_name("extract/qwen-rerun")
+    assert [s.active for s in deployment.schedules] == [False], "paused unless --rerun-every is given"
+    assert deployment.parameters["layers"] == "dflash:5" and deployment.parameters["max_length"] == 4096
+    run = run_deployment("extract/qwen-rerun", parameters={"run_name": "cli"}, timeout=0)
+    run = wait_final(run.id, served=served)
+    assert run.state.is_completed(), run.state
+    assert not any(n.startswith(("launch-", "deploy-")) for n in task_names(run.id)), task_names(run.id)
+    assert {r["state"] for r in table("cli").values()} == {"complete"}
+
+
 def test_a_bad_parameter_is_rejected_before_a_run_exists(served):
     before = len(runs_of("bad"))
     for param, name in (("token_budget=-5", "token_budget"), ("layers=1;touch /tmp/pwned", "layers"),

@@ -143,3 +143,22 @@ def test_inventory_from_a_block(prefect_server, tiny_model, data, tmp_path):
     assert state.is_completed(), state.message
     state = run_flow(model=str(tiny_model), data=str(data), output=f"file://{tmp_path / 'o2'}", hosts="no-such-block")
     assert "neither an inventory file nor a HostInventory block" in str(pytest.raises(Exception, state.result).value)
+
+
+def test_a_shard_goes_elsewhere_than_the_host_it_last_failed_on(prefect_server, tiny_model, data, tmp_path):
+    silent = tmp_path / "python-silent"
+    silent.write_text(f"#!/bin/sh\ncase \" $* \" in *\" extract \"*) exit 0 ;; esac\nexec {sys.executable} \"$@\"\n")
+    silent.chmod(0o755)
+    hosts = write_inventory(tmp_path / "hosts.yaml", [
+        {"name": "bad", "hostname": "local", "gpus": [0], "workdir": str(tmp_path / "wa"), "python": str(silent)},
+        {"name": "good", "hostname": "local", "gpus": [0], "workdir": str(tmp_path / "wb"), "python": sys.executable}])
+    kwargs = dict(model=str(tiny_model), data=str(data), output=f"file://{tmp_path / 'out'}", hosts=str(hosts),
+                  layers="1,3", num_shards=1, run_name="placed")
+    first = run_flow(**kwargs)
+    assert first.is_failed() and "shard 0/1 on bad" in str(pytest.raises(Exception, first.result).value)
+    second = run_flow(**kwargs)  # the first free slot is still on `bad`: the shard takes `good`'s
+    assert second.is_completed(), second.message
+    from tasks.board import read_table
+
+    row = read_table("placed", 1)[0]
+    assert row["host"] == "good" and row["failed_attempts"] == 1 and row["last_failed_host"] == "bad"
