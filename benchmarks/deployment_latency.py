@@ -28,35 +28,22 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from deployments.local import PrefectServer, start_worker, stop  # noqa: E402
+from deployments.local import PrefectServer, flow_runs_for, run_events, start_worker, stop, wait_until  # noqa: E402
 from hsextract import tiny  # noqa: E402
 
 FAST = {"heartbeat_interval_s": 1.0, "poll_interval_s": 0.5, "status_interval_s": 2.0, "token_budget": 2048}
 
 
 def events(client, prefix: str, run_name: str) -> list:
-    from prefect.events.filters import EventFilter, EventNameFilter
-
-    found, page = [], client.read_events(EventFilter(event=EventNameFilter(prefix=[prefix])), limit=50)
-    while page is not None:
-        found += [e for e in page.events if e.payload.get("run_name") == run_name]
-        page = client.read_events_page(page.next_page) if page.next_page else None
-    return sorted(found, key=lambda e: e.occurred)
+    return run_events(client, prefix, run_name)
 
 
 def runs_of(client, run_name: str) -> list:
-    runs = client.read_flow_runs(limit=200)
-    return sorted((r for r in runs if (r.parameters or {}).get("run_name") == run_name), key=lambda r: r.created)
+    return flow_runs_for(client, run_name)
 
 
 def wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
+    return wait_until(predicate, timeout, what, interval=0.2)
 
 
 def inventory(work: Path, name: str, slots: int, python: str) -> str:

@@ -168,7 +168,7 @@ def extract(
     `extract.run.incomplete`, which the re-run automation turns into a run of exactly those shards;
     `rerun_depth` counts such automated re-runs and `max_reruns` bounds them.
     """
-    params = {name: value for name, value in locals().items() if name in PARAMETERS}
+    params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()
     run = run_name or default_run_name(output)
     if rerun_depth > max_reruns:
@@ -179,7 +179,7 @@ def extract(
     upload = out_dir is None
     access = load_access(aws_credentials)  # fails here, before any launch, on a missing or bad block
     slots = inventory.slots
-    num_shards = num_shards or len(slots)
+    num_shards = params["num_shards"] = num_shards or len(slots)
     requested = sorted(set(shards)) if shards is not None else list(range(num_shards))
     bad = [s for s in requested if not 0 <= s < num_shards]
     if bad:
@@ -209,8 +209,8 @@ def extract(
             board.set_state(s, "complete", "already complete")
         for s in sorted(capped):
             why = (f"attempt cap reached: failed {board.failed_attempts(s)} time(s) (max_attempts={max_attempts}), "
-                   f"last on host {board.last_failed_host(s) or '?'}; not launched again. Fix the cause, then run "
-                   f"with reset_attempts=true")
+                   f"last on host {board.last_failed_host(s) or '?'}: {board.last_error(s) or '?'}; not launched "
+                   f"again. Fix the cause, then run with reset_attempts=true")
             board.set_state(s, "capped", why)
             failures[f"shard {s}"] = why
         bundle = build_bundle(ROOT)
@@ -295,6 +295,7 @@ def _request_rerun(run: str, params: dict, rerun: list[int], failed: list[int], 
                 else "no re-run requested")
     if depth >= max_reruns:
         return f"no re-run requested: {depth} automated re-run(s) already, max_reruns={max_reruns}"
+    # num_shards pinned: shard i means the same samples in the re-run even if the inventory changed meanwhile
     parameters = {**params, "run_name": run, "shards": rerun, "rerun_depth": depth + 1, "reset_attempts": False}
     emit_event(RERUN_EVENT, resource={"prefect.resource.id": f"hsextract.run.{run_key(run)}",
                                       "prefect.resource.name": run, "hsextract.run": run},

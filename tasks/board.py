@@ -122,6 +122,9 @@ class Board:
     def last_failed_host(self, shard: int) -> str:
         return self.rows[shard].last_failed_host
 
+    def last_error(self, shard: int) -> str:
+        return self.rows[shard].last_error
+
     def set_state(self, shard: int, state: str, reason: str = "", **payload) -> None:
         """Record a state change, emit `extract.shard.<state>`, and republish the table soon."""
         with self._lock:
@@ -133,11 +136,9 @@ class Board:
             if state == "failed":
                 row.failed_attempts += 1
                 row.last_failed_host, row.last_error = row.host, _one_line(reason)
-            elif state == "capped":
-                row.last_error = _one_line(reason) or row.last_error
             snapshot = row.table()
         self._emit(state, snapshot, reason, payload)
-        if state in ("done", "skipped") and self.rows[shard].progress_id is not None:
+        if state in ("done", "complete") and self.rows[shard].progress_id is not None:
             self._progress(self.rows[shard], force=True)
         self._dirty.set()
 
@@ -158,7 +159,7 @@ class Board:
 
     # --- publishing -------------------------------------------------------------------------------------
     def _percent(self, row: Row) -> float:
-        if row.state in ("done", "skipped"):
+        if row.state in ("done", "complete"):
             return 100.0
         return round(100.0 * row.samples_done / row.samples_total, 1) if row.samples_total else 0.0
 

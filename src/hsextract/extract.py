@@ -32,8 +32,9 @@ from .status import ProgressReporter
 
 # Fault injection for tests: raise CUDA-style OOM for any batch padded above this many tokens.
 OOM_ABOVE_ENV = "HSEXTRACT_FAULT_OOM_ABOVE_TOKENS"
-# Fault injection for tests: sleep this many seconds before each forward pass (a slow, long-running shard).
-SLOW_BATCH_ENV = "HSEXTRACT_FAULT_SLOW_BATCH_S"
+# Fault injection for tests: before each forward pass, wait while this path exists (a shard held alive,
+# heartbeating, mid-run, for as long as a test needs).
+HOLD_ENV = "HSEXTRACT_FAULT_HOLD_WHILE"
 
 
 class ShardRun:
@@ -170,8 +171,8 @@ class ShardRun:
     def forward(self, capture: LayerCapture, batch: list[Tokenized]) -> list[tuple[list[Tokenized], dict]]:
         """Run a batch; on out-of-memory split it in halves, and skip a single sample that still fails."""
         try:
-            if os.environ.get(SLOW_BATCH_ENV):
-                time.sleep(float(os.environ[SLOW_BATCH_ENV]))
+            while os.environ.get(HOLD_ENV) and os.path.exists(os.environ[HOLD_ENV]):
+                time.sleep(0.1)
             limit = os.environ.get(OOM_ABOVE_ENV)
             if limit is not None and padded_tokens(batch) > int(limit):
                 raise torch.OutOfMemoryError(f"injected by {OOM_ABOVE_ENV}={limit}")

@@ -91,13 +91,10 @@ def client():
 
 def runs_of(run_name: str) -> list:
     """Flow runs of extract/qwen for `run_name`, oldest first."""
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
+    from deployments.local import flow_runs_for
 
     with client() as c:
-        runs = c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["qwen"])),
-                                sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=200)
-    return sorted((r for r in runs if r.parameters.get("run_name") == run_name), key=lambda r: r.created)
+        return flow_runs_for(c, run_name, "qwen")
 
 
 def wait_final(flow_run_id, timeout: float = 240, served: Served | None = None):
@@ -113,13 +110,9 @@ def wait_final(flow_run_id, timeout: float = 240, served: Served | None = None):
 
 
 def wait_for(predicate, timeout: float, what: str, served: Served | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n" + (served.worker_log() if served else ""))
+    from deployments.local import wait_until
+
+    return wait_until(predicate, timeout, what, context=served.worker_log if served else lambda: "")
 
 
 def start(run_name: str, **parameters):
@@ -137,15 +130,10 @@ def task_names(flow_run_id) -> set[str]:
 
 
 def events(prefix: str, run_name: str) -> list:
-    from prefect.events.filters import EventFilter, EventNameFilter
+    from deployments.local import run_events
 
-    found = []
     with client() as c:
-        page = c.read_events(EventFilter(event=EventNameFilter(prefix=[prefix])), limit=50)
-        while page is not None:
-            found += [e for e in page.events if e.payload.get("run_name") == run_name]
-            page = c.read_events_page(page.next_page) if page.next_page else None
-    return sorted(found, key=lambda e: e.occurred)
+        return run_events(c, prefix, run_name)
 
 
 def table(run_name: str) -> dict[int, dict]:
@@ -277,7 +265,8 @@ def test_the_attempt_cap_stops_a_shard_that_always_fails(served):
     assert third.state.is_failed() and "attempt cap reached: failed 2 time(s)" in message, message
     assert not any(n.startswith("launch-") for n in task_names(third.id))
     row = table("doomed")[0]
-    assert row["state"] == "capped" and row["failed_attempts"] == 2 and "reset_attempts=true" in row["last_error"]
+    assert row["state"] == "capped" and row["failed_attempts"] == 2
+    assert "printing no STARTED line" in row["last_error"] and "printing no STARTED line" in message
 
 
 def _flow_run_pid(flow_run_id) -> int:
@@ -308,8 +297,10 @@ def _shard_workers(out: Path) -> Counter:
 
 def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(served):
     out = served.root / "out-phoenix"
-    slow = silent_python(served.root, shard=99, once=False, extra_env="export HSEXTRACT_FAULT_SLOW_BATCH_S=4\n")
-    hosts = served.inventory("phoenix", python=slow)
+    hold = served.root / "hold-phoenix"
+    hold.touch()  # the shards wait at their first batch, alive and heartbeating, until the test lets go
+    held = silent_python(served.root, shard=99, once=False, extra_env=f"export HSEXTRACT_FAULT_HOLD_WHILE={hold}\n")
+    hosts = served.inventory("phoenix", python=held)
     flow_run = start("phoenix", output=f"file://{out}", hosts=hosts, token_budget=256)
     wait_for(lambda: {e.payload["shard"] for e in events("extract.shard.running", "phoenix")} == {0, 1}, 120,
              "both shards verified running", served)
@@ -333,6 +324,9 @@ def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(serve
     crashed_after = time.monotonic() - killed_at
     rerun = wait_for(lambda: [r for r in runs_of("phoenix") if r.id != flow_run.id], 60, "the crash re-run", served)
     assert _shard_workers(out) == Counter({0: 1, 1: 1}), "the extractions went on while nobody watched"
+    wait_for(lambda: len([e for e in events("extract.shard.running", "phoenix") if e.payload.get("adopted")]) == 2,
+             60, "the re-run to adopt both shards", served)
+    hold.unlink()
     rerun = wait_final(rerun[0].id, timeout=300, served=served)
     assert rerun.state.is_completed(), (rerun.state, served.worker_log())
     assert rerun.parameters["rerun_depth"] == 1 and rerun.parameters["token_budget"] == 256
