@@ -28,6 +28,7 @@ from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, write_json_atomic
 from .records import Bad, Record, iter_records
 from .sharding import shard_of
+from .staging import HostStaging
 from .status import ProgressReporter
 
 # Fault injection for tests: raise CUDA-style OOM for any batch padded above this many tokens.
@@ -35,6 +36,7 @@ OOM_ABOVE_ENV = "HSEXTRACT_FAULT_OOM_ABOVE_TOKENS"
 # Fault injection for tests: before each forward pass, wait while this path exists (a shard held alive,
 # heartbeating, mid-run, for as long as a test needs).
 HOLD_ENV = "HSEXTRACT_FAULT_HOLD_WHILE"
+BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to the writer thread
 
 
 class ShardRun:
@@ -106,7 +108,7 @@ class ShardRun:
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
-        writer = BatchWriter(self)
+        writer = BatchWriter(self, capture.device)
         try:
             for batch in pack(self.encoded(encoder, pending), cfg.token_budget, cfg.sort_window):
                 if self.stop_signal:
@@ -186,23 +188,32 @@ class ShardRun:
             mid = len(batch) // 2
             return self.forward(capture, batch[:mid]) + self.forward(capture, batch[mid:])
         self.progress.forward_passes += 1
-        return [self.drop_nonfinite(batch, states)]
+        self.progress.padded_tokens += padded_tokens(batch)
+        self.progress.tokens_forwarded += sum(len(s) for s in batch)
+        return [(batch, {**states, BAD_KEY: self.nonfinite_flags(batch, states)})]
 
-    def drop_nonfinite(self, batch: list[Tokenized], states: dict) -> tuple[list[Tokenized], dict]:
-        lengths = torch.tensor([len(s) for s in batch], device=states["hidden_states"].device)
-        sample_of_T = torch.repeat_interleave(torch.arange(len(batch), device=lengths.device), lengths)
-        bad_T = torch.zeros(len(batch), device=lengths.device)
+    @staticmethod
+    def nonfinite_flags(batch: list[Tokenized], states: dict) -> torch.Tensor:
+        """[B] bool on the states' device: which samples have a NaN or Inf anywhere (no host sync)."""
+        device = states["hidden_states"].device
+        lengths = torch.tensor([len(s) for s in batch]).to(device, non_blocking=True)
+        sample_of_T = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths,
+                                              output_size=sum(len(s) for s in batch))
+        bad_B = torch.zeros(len(batch), device=device)
         for tensor in states.values():
-            bad_T.index_add_(0, sample_of_T, (~torch.isfinite(tensor)).any(dim=1).float())
-        bad = bad_T.tolist()
+            bad_B.index_add_(0, sample_of_T, (~torch.isfinite(tensor)).any(dim=1).float())
+        return bad_B > 0
+
+    def drop_nonfinite(self, batch: list[Tokenized], states: dict, bad: list[bool]) -> tuple[list[Tokenized], dict]:
+        """Skip (with a reason) the samples flagged by `nonfinite_flags`; host tensors in, host tensors out."""
         if not any(bad):
             return batch, states
-        keep = [i for i, b in enumerate(bad) if not b]
-        for i, b in enumerate(bad):
+        lengths = torch.tensor([len(s) for s in batch])
+        keep_T = torch.repeat_interleave(~torch.tensor(bad), lengths)
+        for sample, b in zip(batch, bad):
             if b:
-                self.skip(batch[i].id, "nonfinite_states", "NaN or Inf in captured hidden states", counts_as_done=True)
-        rows = torch.isin(sample_of_T, torch.tensor(keep, device=lengths.device, dtype=torch.long))
-        return [batch[i] for i in keep], {k: v[rows] for k, v in states.items()}
+                self.skip(sample.id, "nonfinite_states", "NaN or Inf in captured hidden states", counts_as_done=True)
+        return [s for s, b in zip(batch, bad) if not b], {k: v[keep_T] for k, v in states.items()}
 
     def skip(self, sample_id: str, reason: str, detail: str, line: int | None = None, counts_as_done=False) -> None:
         self.journal.append({"kind": "skip", "id": sample_id, "reason": reason, "detail": detail, "line": line})
@@ -269,6 +280,9 @@ class ShardRun:
             "samples_done": p.samples_done, "samples_written": p.samples_written,
             "skipped": dict(self.skips), "tokens": p.tokens_done, "files": p.files, "bytes": p.bytes,
             "forward_passes": p.forward_passes, "seconds": round(seconds, 3),
+            "padded_tokens": p.padded_tokens,
+            "padding_waste": round(p.padded_tokens / p.tokens_forwarded - 1, 4) if p.tokens_forwarded else 0.0,
+            **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
             "extract_s": round(extract_s, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,
@@ -279,10 +293,16 @@ class ShardRun:
 
 
 class BatchWriter:
-    """One background thread serializing and writing files while the next batch runs on the device."""
+    """One background thread serializing and writing files while the next batches run on the device.
 
-    def __init__(self, shard: ShardRun, depth: int = 2):
+    The main thread only queues work: the device -> pinned host copy runs on a side stream
+    (`HostStaging`), and this thread waits for it, drops non-finite samples, serializes and writes. At most
+    `depth` batches are between the forward and the disk; then `put` waits (the sink is the bottleneck).
+    """
+
+    def __init__(self, shard: ShardRun, device: torch.device, depth: int = 3):
         self.shard = shard
+        self.staging = HostStaging(device, depth)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="hsextract-writer", daemon=True)
@@ -292,15 +312,21 @@ class BatchWriter:
         if self.error:
             raise self.error
         if batch:
-            self.queue.put((batch, {k: v.to("cpu") for k, v in states.items()}))
+            self.queue.put((batch, self.staging.stage(states)))
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
+            batch, staged = item
             if self.error is None:
                 try:
-                    self.shard.commit_file(*item)
+                    states = dict(staged.wait())
+                    bad = states.pop(BAD_KEY).tolist()
+                    batch, states = self.shard.drop_nonfinite(batch, states, bad)
+                    if batch:
+                        self.shard.commit_file(batch, states)
                 except BaseException as exc:  # surfaced on the main thread at the next put/close
                     self.error = exc
+            staged.release()
 
     def close(self) -> None:
         self.queue.put(None)

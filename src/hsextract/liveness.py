@@ -56,6 +56,8 @@ class Progress:
     files: int = 0
     bytes: int = 0
     forward_passes: int = 0
+    padded_tokens: int = 0      # longest x count, summed over forward passes
+    tokens_forwarded: int = 0   # real tokens in those passes
     last_batch: str | None = None
     spool_bytes: int = 0        # written, waiting for upload (s3:// output)
     upload_paused: bool = False  # extraction waits for uploads (spool over its high-water mark)
