@@ -1,0 +1,266 @@
+"""Extraction throughput on a GPU against its two ceilings, side by side, in one run.
+
+    PYTHONPATH=src python3 benchmarks/gpu_throughput.py [--model-layers 8] [--samples 300] [--out DIR]
+
+Builds a Qwen3.6-27B-shaped hybrid stack (hidden 5120, intermediate 17408, 24 heads / 4 KV heads of 256,
+Gated DeltaNet 16 key / 48 value heads of 128, full attention every 4th layer) with random bf16 weights and
+`--model-layers` layers, and a pre-tokenized dataset with lognormal lengths (median ~1K, max 4096). Then,
+on the same model and data, prints:
+  - bare forward tok/s: the stack over the same packed batches, nothing captured (the GPU ceiling);
+  - capture tok/s: the worker's hooks filling the output buffer, nothing copied out;
+  - sink bytes/s: the worker's own file writer (serialize + sha256 + write + fsync) on the same bytes with
+    no GPU work, and raw write + fsync of the same sizes (the sink ceiling), as tok/s equivalents;
+  - the worker end to end (`hsextract extract`, tok/s over its extraction loop), its padding waste
+    (padded / real tokens - 1) and peak GPU memory;
+  - the naive per-sample loop (batch 1, output_hidden_states=True, logits, torch.save per sample);
+  - ratios: worker / min(GPU ceiling, sink ceiling) (goal >= 0.95) and worker / naive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from hsextract import tiny  # noqa: E402
+from hsextract.batchfile import write_batch  # noqa: E402
+from hsextract.batching import pack, padded_tokens  # noqa: E402
+from hsextract.capture import LayerCapture  # noqa: E402
+from hsextract.layers import parse_layer_spec  # noqa: E402
+
+VOCAB = 32000
+
+
+def build_model(out: Path, layers: int) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    tiny.build_tokenizer(out)
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=5120, intermediate_size=17408, num_hidden_layers=layers,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=4,
+        max_position_embeddings=8192, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def build_data(path: Path, n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    lengths = [min(4096, max(16, int(rng.lognormvariate(math.log(1000), 0.7)))) for _ in range(n)]
+    with path.open("w") as handle:
+        for i, length in enumerate(lengths):
+            ids = [rng.randrange(10, VOCAB) for _ in range(length)]
+            mask = [0] * (length // 3) + [1] * (length - length // 3)
+            handle.write(json.dumps({"id": f"s{i:06d}", "input_ids": ids, "loss_mask": mask}) + "\n")
+    return lengths
+
+
+class Sized:
+    def __init__(self, ids):
+        self.input_ids = ids
+
+    def __len__(self):
+        return len(self.input_ids)
+
+
+def batches(data: Path, budget: int) -> list[list[list[int]]]:
+    samples = [Sized(json.loads(line)["input_ids"]) for line in data.open()]
+    return [[s.input_ids for s in b] for b in pack(samples, budget, 1024)]
+
+
+def timed(fn, reps: int = 1) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def bare_and_capture(model_dir: Path, layer_ids: list[int], packed) -> tuple[float, float]:
+    tokens = sum(len(s) for b in packed for s in b)
+    capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16)
+
+    def one(batch):
+        width = max(len(s) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, s in enumerate(batch):
+            ids[row, : len(s)] = torch.tensor(s)
+        return ids.cuda(non_blocking=True)
+
+    inputs = [one(b) for b in packed]
+
+    hooks = {i: dict(capture.backbone.layers[i]._forward_hooks) for i in layer_ids}
+
+    @torch.inference_mode()
+    def run_bare():
+        for ids in inputs:
+            capture.backbone(input_ids=ids, use_cache=False)
+
+    @torch.inference_mode()
+    def run_capture():
+        for batch in packed:
+            capture.run(batch)
+
+    run_capture()  # warm-up: kernels compiled, allocator filled
+    for i in layer_ids:
+        capture.backbone.layers[i]._forward_hooks.clear()
+    run_bare()
+    bare_s = timed(run_bare)
+    for i, h in hooks.items():
+        capture.backbone.layers[i]._forward_hooks.update(h)
+    capture_s = timed(run_capture)
+    return tokens / bare_s, tokens / capture_s  # model and inputs are freed on return
+
+
+def sink(out: Path, packed, width: int) -> tuple[float, float]:
+    """(bytes/s of write_batch, bytes/s of raw write+fsync) for the same file sizes, no GPU work."""
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [sum(len(s) for s in b) for b in packed]
+    total = sum(sizes) * width * 2
+    start = time.perf_counter()
+    for i, tokens in enumerate(sizes):
+        states = torch.empty(tokens, width, dtype=torch.bfloat16)
+        ids = torch.zeros(tokens, dtype=torch.int32)
+        write_batch(out / f"b{i:06d}.safetensors", {"hidden_states": states, "input_ids": ids,
+                                                    "loss_mask": ids.to(torch.uint8),
+                                                    "cu_seqlens": torch.tensor([0, tokens])}, {"sample_ids": "[]"})
+    ours = total / (time.perf_counter() - start)
+    shutil.rmtree(out)
+    out.mkdir()
+    start = time.perf_counter()
+    for i, tokens in enumerate(sizes):
+        payload = bytes(tokens * width * 2)
+        fd = os.open(out / f"r{i:06d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.close(fd)
+    raw = total / (time.perf_counter() - start)
+    shutil.rmtree(out)
+    return ours, raw
+
+
+def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int) -> dict:
+    cmd = [sys.executable, "-m", "hsextract", "extract", "--model", str(model_dir), "--data", str(data),
+           "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", "cuda",
+           "--token-budget", str(budget), "--progress", "log", "--max-length", "4096"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("SUMMARY "))
+
+
+def naive(model_dir: Path, data: Path, out: Path, layer_ids: list[int], n: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    out.mkdir(parents=True, exist_ok=True)
+    records = [json.loads(line) for _, line in zip(range(n), data.open())]
+    tokens = 0
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([records[0]["input_ids"][:64]], device="cuda"))  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for record in records:
+            ids = torch.tensor([record["input_ids"]], device="cuda")
+            result = model(input_ids=ids, output_hidden_states=True)
+            states = torch.cat([result.hidden_states[i + 1][0] for i in layer_ids], dim=-1).cpu()
+            torch.save({"hidden_states": states, "input_ids": ids.cpu(), "logits_dtype": str(result.logits.dtype)},
+                       out / f"{record['id']}.pt")
+            tokens += ids.shape[1]
+        elapsed = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    shutil.rmtree(out)
+    return tokens / elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-layers", type=int, default=8)
+    ap.add_argument("--layers", default="dflash:5")
+    ap.add_argument("--samples", type=int, default=300)
+    ap.add_argument("--naive-samples", type=int, default=40)
+    ap.add_argument("--token-budget", type=int, default=8192)
+    ap.add_argument("--out", type=Path, default=None, help="where files go (default: a temp dir); the sink")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--oom-budget", type=int, default=0,
+                    help="also run the worker with this huge token budget: it must split batches on CUDA OOM")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="hsx-gpu-tp-"))
+    out = args.out or work / "out"
+    started = time.perf_counter()
+    model_dir = build_model(work / "model", args.model_layers)
+    lengths = build_data(work / "data.jsonl", args.samples)
+    layer_ids = parse_layer_spec(args.layers, args.model_layers)
+    width = 5120 * len(layer_ids)
+    print(f"model + data built in {time.perf_counter() - started:.0f}s: {args.model_layers} layers, capture "
+          f"{layer_ids}, {args.samples} samples, {sum(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]},"
+          f" max {max(lengths)}), {width * 2} bytes/token, token budget {args.token_budget}", flush=True)
+    packed = batches(work / "data.jsonl", args.token_budget)
+    real = sum(len(s) for b in packed for s in b)
+    padded = sum(padded_tokens(b) for b in packed)
+    bare_tps, capture_tps = bare_and_capture(model_dir, layer_ids, packed)
+    torch.cuda.empty_cache()
+    print(f"bare forward {bare_tps:,.0f} tok/s, capture {capture_tps:,.0f} tok/s", flush=True)
+    ours_bps, raw_bps = sink(out.parent / "sink", packed, width)
+    sink_tps, raw_tps = ours_bps / (width * 2), raw_bps / (width * 2)
+    print(f"sink: write_batch {ours_bps / 2**30:.2f} GiB/s ({sink_tps:,.0f} tok/s), raw write+fsync "
+          f"{raw_bps / 2**30:.2f} GiB/s ({raw_tps:,.0f} tok/s)", flush=True)
+    summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget)
+    worker_tps = summary["tokens_per_s"]
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"worker {worker_tps:,.0f} tok/s, padding waste {summary.get('padding_waste')}, peak GPU "
+          f"{summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB", flush=True)
+    oom = None
+    if args.oom_budget:
+        oom = worker(model_dir, work / "data.jsonl", out, args.layers, args.oom_budget)
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"OOM split: token budget {args.oom_budget:,} -> {oom['forward_passes']} forward passes, "
+              f"{oom['samples_done']}/{oom['samples_total']} samples done, skipped {oom['skipped']}", flush=True)
+    naive_tps = naive(model_dir, work / "data.jsonl", work / "naive", layer_ids, args.naive_samples)
+    ceiling = min(bare_tps, raw_tps)
+    rows = [("bare forward (GPU ceiling)", bare_tps), ("capture, nothing copied out", capture_tps),
+            ("sink: raw write+fsync (sink ceiling)", raw_tps), ("sink: the worker's write_batch", sink_tps),
+            ("worker end to end", worker_tps), ("naive per-sample loop", naive_tps)]
+    print(f"\n{'what':<40} {'tok/s':>10} {'GiB/s out':>10}")
+    for name, tps in rows:
+        print(f"{name:<40} {tps:>10,.0f} {tps * width * 2 / 2**30:>10.2f}")
+    print(f"\nworker / min(GPU ceiling, sink ceiling) = {worker_tps / ceiling:.3f}  (goal >= 0.95; the "
+          f"{'sink' if raw_tps < bare_tps else 'GPU'} is the ceiling)")
+    print(f"worker / naive = {worker_tps / naive_tps:.1f}x")
+    print(f"padding waste: planner {padded / real - 1:.4f}, worker {summary.get('padding_waste')} (goal <= 0.02)")
+    print(f"peak GPU memory (worker): {summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB; "
+          f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.json:
+        args.json.write_text(json.dumps({"bare": bare_tps, "capture": capture_tps, "sink_raw": raw_tps,
+                                         "sink_ours": sink_tps, "worker": worker_tps, "naive": naive_tps,
+                                         "ratio": worker_tps / ceiling, "summary": summary, "oom": oom}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
