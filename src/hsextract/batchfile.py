@@ -39,8 +39,17 @@ def fsync_dir(path: Path) -> None:
 
 def write_batch(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> WrittenFile:
     """Serialize, write to a temp file, fsync, rename into place, fsync the directory."""
+    return write_payload(path, *serialize_batch(tensors, metadata))
+
+
+def serialize_batch(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, str]:
+    """The file's bytes and their sha256 (CPU work a pipeline can overlap with the previous file's write)."""
     payload = save(tensors, metadata={"format_version": FORMAT_VERSION, **metadata})
-    digest = hashlib.sha256(payload).hexdigest()
+    return payload, hashlib.sha256(payload).hexdigest()
+
+
+def write_payload(path: Path, payload: bytes, digest: str) -> WrittenFile:
+    """Write `payload` durably at `path`: temp file, fsync, rename into place, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     try:

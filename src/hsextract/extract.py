@@ -12,12 +12,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import __version__
-from .batchfile import write_batch
+from .batchfile import serialize_batch, write_payload
 from .batching import pack, padded_tokens
 from .capture import LayerCapture, read_model_info, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
@@ -37,6 +38,17 @@ OOM_ABOVE_ENV = "HSEXTRACT_FAULT_OOM_ABOVE_TOKENS"
 # heartbeating, mid-run, for as long as a test needs).
 HOLD_ENV = "HSEXTRACT_FAULT_HOLD_WHILE"
 BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to the writer thread
+
+
+@dataclass
+class Prepared:
+    """A batch file serialized and hashed, waiting for its turn to be written."""
+
+    name: str
+    payload: bytes
+    digest: str
+    ids: list[str]
+    lengths: list[int]
 
 
 class ShardRun:
@@ -170,27 +182,39 @@ class ShardRun:
             else:
                 yield result
 
-    def forward(self, capture: LayerCapture, batch: list[Tokenized]) -> list[tuple[list[Tokenized], dict]]:
-        """Run a batch; on out-of-memory split it in halves, and skip a single sample that still fails."""
-        try:
-            while os.environ.get(HOLD_ENV) and os.path.exists(os.environ[HOLD_ENV]):
-                time.sleep(0.1)
-            limit = os.environ.get(OOM_ABOVE_ENV)
-            if limit is not None and padded_tokens(batch) > int(limit):
-                raise torch.OutOfMemoryError(f"injected by {OOM_ABOVE_ENV}={limit}")
-            states = capture.run([s.input_ids for s in batch])
-        except torch.OutOfMemoryError as exc:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            if len(batch) == 1:
-                self.skip(batch[0].id, "oom", f"{len(batch[0])} tokens alone: {exc}"[:300], counts_as_done=True)
-                return []
-            mid = len(batch) // 2
-            return self.forward(capture, batch[:mid]) + self.forward(capture, batch[mid:])
-        self.progress.forward_passes += 1
-        self.progress.padded_tokens += padded_tokens(batch)
-        self.progress.tokens_forwarded += sum(len(s) for s in batch)
-        return [(batch, {**states, BAD_KEY: self.nonfinite_flags(batch, states)})]
+    def forward(self, capture: LayerCapture, batch: list[Tokenized]) -> Iterator[tuple[list[Tokenized], dict]]:
+        """Run a batch; on out-of-memory split it in halves, and skip a single sample that still fails.
+
+        Parts are yielded as they finish, so the writer takes each before the next runs. A retry happens
+        only after the except block is left: its traceback holds the failed attempt's activations."""
+        todo = [batch]
+        while todo:
+            part = todo.pop()
+            try:
+                while os.environ.get(HOLD_ENV) and os.path.exists(os.environ[HOLD_ENV]):
+                    time.sleep(0.1)
+                limit = os.environ.get(OOM_ABOVE_ENV)
+                if limit is not None and padded_tokens(part) > int(limit):
+                    raise torch.OutOfMemoryError(f"injected by {OOM_ABOVE_ENV}={limit}")
+                states = capture.run([s.input_ids for s in part])
+                states[BAD_KEY] = self.nonfinite_flags(part, states)
+                oom = None
+            except torch.OutOfMemoryError as exc:
+                oom, states = str(exc), None
+            if oom is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                if len(part) == 1:
+                    self.skip(part[0].id, "oom", f"{len(part[0])} tokens alone: {oom}"[:300], counts_as_done=True)
+                else:
+                    mid = len(part) // 2
+                    todo += [part[mid:], part[:mid]]  # the first half runs next
+                continue
+            self.progress.forward_passes += 1
+            self.progress.padded_tokens += padded_tokens(part)
+            self.progress.tokens_forwarded += sum(len(s) for s in part)
+            yield part, states
+            states = None
 
     @staticmethod
     def nonfinite_flags(batch: list[Tokenized], states: dict) -> torch.Tensor:
@@ -222,8 +246,8 @@ class ShardRun:
             self.progress.samples_skipped += 1
             self.progress.samples_done += int(counts_as_done)
 
-    def commit_file(self, batch: list[Tokenized], states: dict) -> None:
-        """Write one batch file durably, then journal it (called on the writer thread, in order)."""
+    def prepare_file(self, batch: list[Tokenized], states: dict) -> "Prepared":
+        """Name (in order), serialize and hash one batch file: CPU work, no I/O."""
         name = f"batch-{self.next_seq:06d}.safetensors"
         self.next_seq += 1
         lengths = [len(s) for s in batch]
@@ -234,23 +258,28 @@ class ShardRun:
             "cu_seqlens": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
         }
         ids = [s.id for s in batch]
+        payload, digest = serialize_batch(tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
+        return Prepared(name, payload, digest, ids, lengths)
+
+    def land_file(self, prep: "Prepared") -> None:
+        """Write a prepared file durably, then journal it (in order; the journal names only landed files)."""
         if self.uploader:  # bounded local disk: over the high-water mark, wait for uploads to catch up
             self.uploader.spool.wait_for_room(self.uploader.failed)
             self.uploader.raise_if_failed()
-        written = write_batch(self.cfg.shard_dir / name, tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
-        entry = {"kind": "file", "file": name, "ids": ids, "tokens": sum(lengths), "lengths": lengths,
-                 "bytes": written.bytes, "sha256": written.sha256}
+        written = write_payload(self.cfg.shard_dir / prep.name, prep.payload, prep.digest)
+        entry = {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
+                 "lengths": prep.lengths, "bytes": written.bytes, "sha256": written.sha256}
         self.journal.append(entry, durable=True)
         if self.uploader:
             self.uploader.submit(entry)
         p = self.progress
         with self.counting:
-            p.samples_done += len(batch)
-            p.samples_written += len(batch)
-            p.tokens_done += sum(lengths)
+            p.samples_done += len(prep.ids)
+            p.samples_written += len(prep.ids)
+            p.tokens_done += sum(prep.lengths)
             p.files += 1
             p.bytes += written.bytes
-            p.last_batch = name
+            p.last_batch = prep.name
 
     def finish(self) -> dict:
         if self.uploader:
@@ -293,20 +322,25 @@ class ShardRun:
 
 
 class BatchWriter:
-    """One background thread serializing and writing files while the next batches run on the device.
+    """Two background threads between the forward loop and the disk.
 
     The main thread only queues work: the device -> pinned host copy runs on a side stream
-    (`HostStaging`), and this thread waits for it, drops non-finite samples, serializes and writes. At most
-    `depth` batches are between the forward and the disk; then `put` waits (the sink is the bottleneck).
+    (`HostStaging`). The prepare thread waits for it, drops non-finite samples, serializes and hashes
+    (then frees the pinned buffers); the land thread writes, fsyncs and journals, in order, so file n+1 is
+    serialized while file n goes to disk. At most `depth` batches wait for each stage; then `put` waits
+    (the sink is the bottleneck, and the GPU is held back rather than memory growing).
     """
 
     def __init__(self, shard: ShardRun, device: torch.device, depth: int = 3):
         self.shard = shard
         self.staging = HostStaging(device, depth)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.landing: queue.Queue = queue.Queue(maxsize=2)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="hsextract-writer", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._prepare, name="hsextract-prepare", daemon=True),
+                        threading.Thread(target=self._land, name="hsextract-writer", daemon=True)]
+        for thread in self.threads:
+            thread.start()
 
     def put(self, batch: list[Tokenized], states: dict) -> None:
         if self.error:
@@ -314,7 +348,7 @@ class BatchWriter:
         if batch:
             self.queue.put((batch, self.staging.stage(states)))
 
-    def _run(self) -> None:
+    def _prepare(self) -> None:
         while (item := self.queue.get()) is not None:
             batch, staged = item
             if self.error is None:
@@ -323,14 +357,24 @@ class BatchWriter:
                     bad = states.pop(BAD_KEY).tolist()
                     batch, states = self.shard.drop_nonfinite(batch, states, bad)
                     if batch:
-                        self.shard.commit_file(batch, states)
+                        self.landing.put(self.shard.prepare_file(batch, states))
                 except BaseException as exc:  # surfaced on the main thread at the next put/close
                     self.error = exc
             staged.release()
+        self.landing.put(None)
+
+    def _land(self) -> None:
+        while (prepared := self.landing.get()) is not None:
+            if self.error is None:
+                try:
+                    self.shard.land_file(prepared)
+                except BaseException as exc:
+                    self.error = exc
 
     def close(self) -> None:
         self.queue.put(None)
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
         if self.error:
             raise self.error
 
