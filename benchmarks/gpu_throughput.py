@@ -184,6 +184,16 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int) -> 
     return json.loads(lines[-1].removeprefix("SUMMARY "))
 
 
+def steady_state(out: Path) -> float:
+    """tok/s between the first and the last file landing (the journal's times): start-up and the first
+    batch's kernel compilation excluded, as they are from the ceilings."""
+    entries = [json.loads(line) for path in out.glob("shard-*/journal.jsonl") for line in path.open()]
+    files = sorted((e for e in entries if e.get("kind") == "file"), key=lambda e: e["time"])
+    if len(files) < 3:
+        return 0.0
+    return sum(e["tokens"] for e in files[1:]) / (files[-1]["time"] - files[0]["time"])
+
+
 def naive(model_dir: Path, data: Path, out: Path, layer_ids: list[int], n: int) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -243,6 +253,7 @@ def main() -> int:
           f"{raw_bps / 2**30:.2f} GiB/s ({raw_tps:,.0f} tok/s)", flush=True)
     summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget)
     worker_tps = summary["tokens_per_s"]
+    steady_tps = steady_state(out)
     shutil.rmtree(out, ignore_errors=True)
     print(f"worker {worker_tps:,.0f} tok/s, padding waste {summary.get('padding_waste')}, peak GPU "
           f"{summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB", flush=True)
@@ -256,12 +267,14 @@ def main() -> int:
     ceiling = min(bare_tps, raw_tps)
     rows = [("bare forward (GPU ceiling)", bare_tps), ("capture, nothing copied out", capture_tps),
             ("sink: raw write+fsync (sink ceiling)", raw_tps), ("sink: the worker's write_batch", sink_tps),
-            ("worker end to end", worker_tps), ("naive per-sample loop", naive_tps)]
+            ("worker end to end (whole loop)", worker_tps),
+            ("worker steady state (after 1st file)", steady_tps), ("naive per-sample loop", naive_tps)]
     print(f"\n{'what':<40} {'tok/s':>10} {'GiB/s out':>10}")
     for name, tps in rows:
         print(f"{name:<40} {tps:>10,.0f} {tps * width * 2 / 2**30:>10.2f}")
-    print(f"\nworker / min(GPU ceiling, sink ceiling) = {worker_tps / ceiling:.3f}  (goal >= 0.95; the "
-          f"{'sink' if raw_tps < bare_tps else 'GPU'} is the ceiling)")
+    print(f"\nworker / min(GPU ceiling, sink ceiling) = {worker_tps / ceiling:.3f} over its whole extraction loop "
+          f"(start-up kernels compiled on the first batches included), {steady_tps / ceiling:.3f} in steady state "
+          f"(goal >= 0.95; the {'sink' if raw_tps < bare_tps else 'GPU'} is the ceiling)")
     print(f"worker / naive = {worker_tps / naive_tps:.1f}x")
     print(f"padding waste: this data {padded / real - 1:.4f} (planner), {summary.get('padding_waste')} (worker); "
           f"the planner on {PLANNER_SAMPLES:,} samples of the same distribution: {planner_waste(args.token_budget):.4f} "
@@ -271,7 +284,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps({"bare": bare_tps, "capture": capture_tps, "sink_raw": raw_tps,
                                          "sink_ours": sink_tps, "worker": worker_tps, "naive": naive_tps,
-                                         "ratio": worker_tps / ceiling, "summary": summary, "oom": oom}, indent=1))
+                                         "ratio": worker_tps / ceiling, "steady": steady_tps, "summary": summary, "oom": oom}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
