@@ -77,9 +77,10 @@ def default_run_name(output: str) -> str:
 
 
 def worker_args(model, data, out, layers, max_length, token_budget, device, heartbeat_s,
-                s3_endpoint: str | None = None, dtype: str = "auto") -> tuple[str, ...]:
+                s3_endpoint: str | None = None, dtype: str = "auto", out_dtype: str = "auto") -> tuple[str, ...]:
     args = ["--model", model, "--data", data, "--out", out, "--layers", layers,
-            "--token-budget", str(token_budget), "--device", device, "--dtype", dtype, "--progress", "log",
+            "--token-budget", str(token_budget), "--device", device, "--dtype", dtype, "--out-dtype", out_dtype,
+            "--progress", "log",
             "--heartbeat-interval", str(heartbeat_s)]
     if max_length is not None:
         args += ["--max-length", str(max_length)]
@@ -129,7 +130,7 @@ Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
 #: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
 PARAMETERS = ("model", "data", "output", "hosts", "layers", "num_shards", "shards", "run_name", "aws_credentials",
-              "max_length", "dtype", "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s",
+              "max_length", "dtype", "out_dtype", "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s",
               "stall_timeout_s", "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts",
               "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s")
 
@@ -147,6 +148,7 @@ def extract(
     aws_credentials: str | None = None,
     max_length: Positive | None = None,
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
+    out_dtype: Literal["auto", "fp8_e4m3"] = "auto",
     token_budget: Positive = 8192,
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto",
     heartbeat_interval_s: Seconds = 2.0,
@@ -217,7 +219,7 @@ def extract(
         healthy, host_failures = deploy_hosts(inventory, bundle, worker_version()) if todo else (set(), {})
         failures.update(host_failures)
         args = worker_args(model, data, output if upload else out_dir, layers, max_length, token_budget, device,
-                           heartbeat_interval_s, access.endpoint_url if upload else None, dtype)
+                           heartbeat_interval_s, access.endpoint_url if upload else None, dtype, out_dtype)
         env = (("AWS_DEFAULT_REGION", access.region),) if upload and access.region else ()
 
         def job_on(slot: tuple[str, int], shard: int) -> ShardJob:

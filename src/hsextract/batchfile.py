@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from .quant import FP8_ENCODING, SCALE_KEY, dequantize
+
 FORMAT_VERSION = "1"
 
 
@@ -96,6 +98,8 @@ class BatchFile:
         names = ["input_ids", "loss_mask", "hidden_states"] + (["last_hidden_state"] if self.has_last else [])
         for name in names:
             out[name] = self._handle.get_slice(name)[begin:end]
+        if self.metadata.get("hidden_states_encoding") == FP8_ENCODING:
+            out["hidden_states"] = dequantize(out["hidden_states"], self._handle.get_slice(SCALE_KEY)[begin:end])
         return out
 
 
@@ -123,4 +127,6 @@ class LoadedBatch:
         for name in ("input_ids", "loss_mask", "hidden_states", "last_hidden_state"):
             if name in self.tensors:
                 out[name] = self.tensors[name][begin:end]
+        if self.metadata.get("hidden_states_encoding") == FP8_ENCODING:
+            out["hidden_states"] = dequantize(out["hidden_states"], self.tensors[SCALE_KEY][begin:end])
         return out

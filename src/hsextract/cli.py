@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--sort-window", type=int, default=1024, help="samples sorted by length together")
     ex.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available)")
     ex.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
+    ex.add_argument("--out-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                    help="stored states: auto (the model's dtype, lossless) or fp8_e4m3 (half of bf16, lossy: "
+                         "a scale per token and layer; the reader returns bf16)")
     ex.add_argument("--include-last", action="store_true", help="also store the final normed hidden state")
     ex.add_argument("--status-dir", type=Path, default=None, help="heartbeat/exit files (default: shard dir)")
     ex.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats")
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ExtractConfig(
             model=args.model, data=args.data, out=out, layers=args.layers, shard=args.shard,
             num_shards=args.num_shards, max_length=args.max_length, overlong=args.overlong,
-            token_budget=args.token_budget, sort_window=args.sort_window, device=args.device, dtype=args.dtype,
+            token_budget=args.token_budget, sort_window=args.sort_window, device=args.device, dtype=args.dtype, out_dtype=args.out_dtype,
             include_last=args.include_last, status_dir=args.status_dir,
             heartbeat_interval=args.heartbeat_interval, log_interval=args.log_interval, progress=args.progress,
             retry_skipped=frozenset(r for r in args.retry_skipped.split(",") if r),

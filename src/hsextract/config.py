@@ -10,6 +10,7 @@ from pathlib import Path
 from .chat import OVERLONG_POLICIES
 from .errors import UsageError
 from .journal import shard_dir_name
+from .quant import OUT_DTYPES
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -28,6 +29,7 @@ class ExtractConfig:
     sort_window: int = 1024
     device: str = "auto"
     dtype: str = "auto"
+    out_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3: e4m3 + a scale per token and layer
     include_last: bool = False
     status_dir: Path | None = None
     heartbeat_interval: float = 2.0
@@ -63,6 +65,8 @@ class ExtractConfig:
             raise UsageError(f"--overlong {self.overlong!r}: choose one of {OVERLONG_POLICIES}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r}: choose one of {DTYPES}")
+        if self.out_dtype not in OUT_DTYPES:
+            raise UsageError(f"--out-dtype {self.out_dtype!r}: choose one of {OUT_DTYPES}")
         if self.upload is not None and not (self.upload.startswith("s3://") and self.upload[5:].split("/")[0]):
             raise UsageError(f"--out {self.upload!r}: expected s3://bucket/prefix")
         if not 0 < self.spool_low_bytes <= self.spool_high_bytes:

@@ -29,6 +29,7 @@ from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, write_json_atomic
 from .records import Bad, Record, iter_records
 from .sharding import shard_of
+from .quant import FP8_ENCODING, SCALE_KEY, quantize
 from .staging import HostStaging
 from .status import ProgressReporter
 
@@ -117,6 +118,7 @@ class ShardRun:
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": cfg.model.name,
             "hidden_size": str(capture.hidden_size), "num_model_layers": str(capture.info.num_layers),
             "dtype": str(capture.dtype).removeprefix("torch."), "hsextract_version": __version__,
+            **({"hidden_states_encoding": FP8_ENCODING} if cfg.out_dtype == "fp8_e4m3" else {}),
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
@@ -198,6 +200,9 @@ class ShardRun:
                     raise torch.OutOfMemoryError(f"injected by {OOM_ABOVE_ENV}={limit}")
                 states = capture.run([s.input_ids for s in part])
                 states[BAD_KEY] = self.nonfinite_flags(part, states)
+                if self.cfg.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
+                    states["hidden_states"], states[SCALE_KEY] = quantize(states["hidden_states"],
+                                                                          capture.hidden_size)
                 oom = None
             except torch.OutOfMemoryError as exc:
                 oom, states = str(exc), None
