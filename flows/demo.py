@@ -83,9 +83,8 @@ def served(work: Path, assets: dict, output: str, hosts: str, run_name: str) -> 
         server = PrefectServer(work / "prefect").__enter__()  # left running: the UI is the point
     env = server.env if server else {"PREFECT_API_URL": os.environ["PREFECT_API_URL"]}
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
-        overrides = {k: v for k, v in DEMO.items() if k != "layers"}
-        register(assets["model"], assets["data"], output, hosts, pool="hsextract-demo",
-                 overrides={**overrides, "layers": DEMO["layers"], "max_length": 512, "dtype": "auto"})
+        register(assets["model"], assets["data"], output, hosts, pool="hsextract-demo",  # the tiny model's
+                 overrides={**DEMO, "max_length": 512, "dtype": "auto"})                 # recipe, not the 27B's
         worker = start_worker("hsextract-demo", env, work / "worker.log")
         proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "extract/qwen", "--watch",
                                "--param", f"run_name={run_name}"], env={**os.environ, **env}, text=True,

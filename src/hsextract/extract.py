@@ -246,8 +246,8 @@ class ShardRun:
 
     def skip(self, sample_id: str, reason: str, detail: str, line: int | None = None, counts_as_done=False) -> None:
         self.journal.append({"kind": "skip", "id": sample_id, "reason": reason, "detail": detail, "line": line})
-        self.skips[reason] += 1
-        with self.counting:
+        with self.counting:  # skips come from the main thread (oom, tokenizing) and the prepare thread (NaN)
+            self.skips[reason] += 1
             self.progress.samples_skipped += 1
             self.progress.samples_done += int(counts_as_done)
 
