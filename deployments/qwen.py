@@ -38,7 +38,11 @@ HEARTBEAT_S = 30
 ZOMBIE_AFTER = timedelta(seconds=3 * HEARTBEAT_S)
 AUTOMATIONS = ("hsextract: re-run incomplete shards", "hsextract: mark silent extract runs Crashed",
                "hsextract: re-run crashed extract runs")
-OF_EXTRACT = {"prefect.resource.role": "flow", "prefect.resource.name": "extract"}
+TAG = "hsextract"
+# runs of flow extract started from these deployments (they carry the tag and heartbeat every HEARTBEAT_S);
+# a direct call of the flow heartbeats at Prefect's default (180 s) and must not be taken for a zombie
+OF_OUR_DEPLOYMENTS = [{"prefect.resource.role": "flow", "prefect.resource.name": "extract"},
+                      {"prefect.resource.id": f"prefect.tag.{TAG}"}]
 
 
 def defaults() -> dict:
@@ -78,7 +82,7 @@ def register_deployments(parameters: dict, pool: str, rerun_every: timedelta | N
         if every is not None:
             kwargs["schedules"] = [Interval(every, active=rerun_every is not None, slug=f"{name}-every")]
         deployment = loaded.to_deployment(name=name, parameters=parameters, work_pool_name=pool,
-                                          job_variables=job, tags=["hsextract"], description=description,
+                                          job_variables=job, tags=[TAG], description=description,
                                           enforce_parameter_schema=True, **kwargs)
         ids[name] = str(deployment.apply(work_pool_name=pool))
     return ids
@@ -122,7 +126,7 @@ def automations(rerun_delay: timedelta = timedelta(0), zombie_after: timedelta =
                                      "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
                                      "prefect.flow-run.Crashed"},
                              match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-                             match_related=ResourceSpecification(OF_EXTRACT),
+                             match_related=[ResourceSpecification(r) for r in OF_OUR_DEPLOYMENTS],
                              for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
                              within=zombie_after),
         actions=[ChangeFlowRunState(state=StateType.CRASHED,
@@ -134,7 +138,7 @@ def automations(rerun_delay: timedelta = timedelta(0), zombie_after: timedelta =
                     "the hosts are adopted (same run_name), the others resume from their journals.",
         trigger=EventTrigger(expect={"prefect.flow-run.Crashed"},
                              match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
-                             match_related=ResourceSpecification(OF_EXTRACT),
+                             match_related=[ResourceSpecification(r) for r in OF_OUR_DEPLOYMENTS],
                              posture=Posture.Reactive, threshold=1, within=timedelta(0)),
         actions=[RunDeployment(source="inferred", parameters=rerun_parameters("flow_run"), schedule_after=rerun_delay)])
     return [incomplete, zombies, crashed]

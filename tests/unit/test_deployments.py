@@ -65,3 +65,28 @@ def test_run_keys_are_artifact_safe_and_distinct(run, key):
     assert run_key(run).startswith(key)
     assert set(run_key(run)) <= set("abcdefghijklmnopqrstuvwxyz0123456789-")
     assert run_key("Run A") != run_key("run-a")
+
+
+def heartbeat(tags: list[str]):
+    from prefect.server.events.schemas.events import ReceivedEvent
+
+    return ReceivedEvent.model_validate({
+        "id": "1b6e0a8e-0000-4000-8000-000000000003", "event": "prefect.flow-run.heartbeat",
+        "occurred": "2026-12-03T00:00:00Z",
+        "resource": {"prefect.resource.id": "prefect.flow-run.1b6e0a8e-0000-4000-8000-000000000001"},
+        "related": [{"prefect.resource.id": "prefect.flow.1b6e0a8e-0000-4000-8000-000000000002",
+                     "prefect.resource.role": "flow", "prefect.resource.name": "extract"}]
+                   + [{"prefect.resource.id": f"prefect.tag.{t}", "prefect.resource.role": "tag"} for t in tags]})
+
+
+def test_only_runs_of_our_deployments_can_be_taken_for_zombies_or_rerun_as_crashed():
+    """A direct call of the flow heartbeats every 180 s (Prefect's default): never marked Crashed at 90 s."""
+    from prefect.server.events.schemas.automations import EventTrigger as ServerTrigger
+
+    incomplete, zombies, crashed = automations()
+    trigger = ServerTrigger.model_validate(zombies.trigger.model_dump(mode="json"))
+    assert trigger.covers(heartbeat(["hsextract"]))
+    assert not trigger.covers(heartbeat([])), "a heartbeat of a direct extract() call"
+    crash_trigger = ServerTrigger.model_validate(crashed.trigger.model_dump(mode="json"))
+    assert crash_trigger.covers_resources(heartbeat(["hsextract"]).resource, heartbeat(["hsextract"]).related)
+    assert not crash_trigger.covers_resources(heartbeat([]).resource, heartbeat([]).related)
