@@ -34,18 +34,6 @@ from hsextract import tiny  # noqa: E402
 FAST = {"heartbeat_interval_s": 1.0, "poll_interval_s": 0.5, "status_interval_s": 2.0, "token_budget": 2048}
 
 
-def events(client, prefix: str, run_name: str) -> list:
-    return run_events(client, prefix, run_name)
-
-
-def runs_of(client, run_name: str) -> list:
-    return flow_runs_for(client, run_name)
-
-
-def wait(predicate, timeout: float, what: str):
-    return wait_until(predicate, timeout, what, interval=0.2)
-
-
 def inventory(work: Path, name: str, slots: int, python: str) -> str:
     import json
 
@@ -64,13 +52,13 @@ def to_running(env: dict, client, work: Path, slots: int, i: int) -> dict:
     t_cli = time.time()
     if proc.returncode != 0:
         raise SystemExit(f"prefect deployment run failed:\n{proc.stdout}\n{proc.stderr}")
-    running = wait(lambda: (lambda ev: ev if len({e.payload["shard"] for e in ev}) == slots else None)(
-        events(client, "extract.shard.running", run)), 300, f"{slots} shards running ({run})")
+    running = wait_until(lambda: (lambda ev: ev if len({e.payload["shard"] for e in ev}) == slots else None)(
+        run_events(client, "extract.shard.running", run)), 300, f"{slots} shards running ({run})", interval=0.2)
     t_running = max(e.occurred.timestamp() for e in running)
-    flow_run = runs_of(client, run)[0]
-    launching = events(client, "extract.shard.launching", run)
+    flow_run = flow_runs_for(client, run)[0]
+    launching = run_events(client, "extract.shard.launching", run)
     t_deployed = min(e.occurred.timestamp() for e in launching)
-    wait(lambda: client.read_flow_run(flow_run.id).state.is_final(), 300, f"{run} to finish")
+    wait_until(lambda: client.read_flow_run(flow_run.id).state.is_final(), 300, f"{run} to finish")
     return {"cli": t_cli - t0, "flow_started": flow_run.start_time.timestamp() - t0 if flow_run.start_time else
             client.read_flow_run(flow_run.id).start_time.timestamp() - t0,
             "deployed": t_deployed - t0, "all_running": t_running - t0}
@@ -88,13 +76,13 @@ def failure_to_rerun(client, work: Path, slots: int, i: int) -> dict:
     first = run_deployment("extract/qwen", timeout=0, parameters={
         "run_name": run, "output": f"file://{work / ('out-' + run)}",
         "hosts": inventory(work, run, slots, str(wrapper))})
-    wait(lambda: client.read_flow_run(first.id).state.is_final(), 300, f"{run} to fail")
+    wait_until(lambda: client.read_flow_run(first.id).state.is_final(), 300, f"{run} to fail")
     failed_run = client.read_flow_run(first.id)
     assert failed_run.state.is_failed(), failed_run.state
-    rerun = wait(lambda: [r for r in runs_of(client, run) if r.id != first.id and r.start_time], 120,
+    rerun = wait_until(lambda: [r for r in flow_runs_for(client, run) if r.id != first.id and r.start_time], 120,
                  f"the automated re-run of {run}")[0]
-    failure = events(client, "extract.shard.failed", run)[0]
-    wait(lambda: client.read_flow_run(rerun.id).state.is_final(), 300, f"re-run of {run} to finish")
+    failure = run_events(client, "extract.shard.failed", run)[0]
+    wait_until(lambda: client.read_flow_run(rerun.id).state.is_final(), 300, f"re-run of {run} to finish")
     done = client.read_flow_run(rerun.id)
     assert done.state.is_completed() and done.parameters["shards"] == [0], (done.state, done.parameters)
     return {"from_run_failed": rerun.start_time.timestamp() - failed_run.end_time.timestamp(),
