@@ -8,10 +8,12 @@ Gated DeltaNet 16 key / 48 value heads of 128, full attention every 4th layer) w
 on the same model and data, prints:
   - bare forward tok/s: the stack over the same packed batches, nothing captured (the GPU ceiling);
   - capture tok/s: the worker's hooks filling the output buffer, nothing copied out;
-  - sink bytes/s: the worker's own file writer (serialize + sha256 + write + fsync) on the same bytes with
-    no GPU work, and raw write + fsync of the same sizes (the sink ceiling), as tok/s equivalents;
+  - sink bytes/s: the same file sizes of random bytes written with no GPU work: raw write + fsync one file
+    at a time, raw with file n's fsync overlapping file n+1's write (the sink ceiling is the better of the
+    two), and the worker's own `write_batch` one file at a time; as tok/s equivalents;
   - the worker end to end (`hsextract extract`, tok/s over its extraction loop), its padding waste
     (padded / real tokens - 1) and peak GPU memory;
+  - with `--fp8`: the fp8 sizes' raw sink and the worker with `--out-dtype fp8_e4m3`;
   - the naive per-sample loop (batch 1, output_hidden_states=True, logits, torch.save per sample);
   - ratios: worker / min(GPU ceiling, sink ceiling) (goal >= 0.95) and worker / naive.
 """
@@ -143,39 +145,64 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed) -> tuple[flo
     return tokens / bare_s, tokens / capture_s  # model and inputs are freed on return
 
 
-def sink(out: Path, packed, width: int) -> tuple[float, float]:
-    """(bytes/s of write_batch, bytes/s of raw write+fsync) for the same file sizes, no GPU work."""
+def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str, float]:
+    """Bytes/s of writing the same file sizes with no GPU work, random (incompressible) bytes:
+    `ours` = the worker's `write_batch` one file at a time (lay out + sha256 + write + fsync + rename);
+    `serial` = raw write + fsync, one file at a time; `overlapped` = raw, file n+1 written while file n is
+    fsynced (what the worker's write and seal threads do). The sink ceiling is the better raw figure."""
+    import threading
+
     out.mkdir(parents=True, exist_ok=True)
-    sizes = [sum(len(s) for s in b) for b in packed]
-    total = sum(sizes) * width * 2
-    start = time.perf_counter()
-    for i, tokens in enumerate(sizes):
-        states = torch.empty(tokens, width, dtype=torch.bfloat16)
-        ids = torch.zeros(tokens, dtype=torch.int32)
-        write_batch(out / f"b{i:06d}.safetensors", {"hidden_states": states, "input_ids": ids,
-                                                    "loss_mask": ids.to(torch.uint8),
-                                                    "cu_seqlens": torch.tensor([0, tokens])}, {"sample_ids": "[]"})
-    ours = total / (time.perf_counter() - start)
-    shutil.rmtree(out)
-    out.mkdir()
-    start = time.perf_counter()
-    for i, tokens in enumerate(sizes):
-        payload = bytes(tokens * width * 2)
+    sizes = [sum(len(s) for s in b) * bytes_per_token for b in packed]
+    total = sum(sizes)
+    noise = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8)
+    figures = {}
+
+    def fresh():
+        shutil.rmtree(out)
+        out.mkdir()
+        return time.perf_counter()
+
+    if ours:
+        start = fresh()
+        for i, size in enumerate(sizes):
+            write_batch(out / f"b{i:06d}.safetensors", {"hidden_states": noise[:size]}, {"sample_ids": "[]"})
+        figures["ours"] = total / (time.perf_counter() - start)
+
+    def write(i: int, size: int) -> int:
         fd = os.open(out / f"r{i:06d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-        view = memoryview(payload)
+        view = memoryview(noise.numpy())[:size]
         while view:
             view = view[os.write(fd, view):]
+        return fd
+
+    def seal(fd: int) -> None:
         os.fsync(fd)
         os.close(fd)
-    raw = total / (time.perf_counter() - start)
+
+    start = fresh()
+    for i, size in enumerate(sizes):
+        seal(write(i, size))
+    figures["serial"] = total / (time.perf_counter() - start)
+
+    start = fresh()
+    sealing = None
+    for i, size in enumerate(sizes):
+        fd = write(i, size)
+        if sealing is not None:
+            sealing.join()
+        sealing = threading.Thread(target=seal, args=(fd,))
+        sealing.start()
+    sealing.join()
+    figures["overlapped"] = total / (time.perf_counter() - start)
     shutil.rmtree(out)
-    return ours, raw
+    return figures
 
 
-def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int) -> dict:
+def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "hsextract", "extract", "--model", str(model_dir), "--data", str(data),
            "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", "cuda",
-           "--token-budget", str(budget), "--progress", "log", "--max-length", "4096"]
+           "--token-budget", str(budget), "--progress", "log", "--max-length", "4096", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
@@ -228,6 +255,7 @@ def main() -> int:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--out", type=Path, default=None, help="where files go (default: a temp dir); the sink")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--fp8", action="store_true", help="also run the worker with --out-dtype fp8_e4m3")
     ap.add_argument("--oom-budget", type=int, default=0,
                     help="also run the worker with this huge token budget: it must split batches on CUDA OOM")
     args = ap.parse_args()
@@ -247,16 +275,27 @@ def main() -> int:
     bare_tps, capture_tps = bare_and_capture(model_dir, layer_ids, packed)
     torch.cuda.empty_cache()
     print(f"bare forward {bare_tps:,.0f} tok/s, capture {capture_tps:,.0f} tok/s", flush=True)
-    ours_bps, raw_bps = sink(out.parent / "sink", packed, width)
-    sink_tps, raw_tps = ours_bps / (width * 2), raw_bps / (width * 2)
-    print(f"sink: write_batch {ours_bps / 2**30:.2f} GiB/s ({sink_tps:,.0f} tok/s), raw write+fsync "
-          f"{raw_bps / 2**30:.2f} GiB/s ({raw_tps:,.0f} tok/s)", flush=True)
+    bf16_bytes, fp8_bytes = width * 2, width + 4 * len(layer_ids)  # fp8: e4m3 + a float32 scale per layer
+    disk = sink(out.parent / "sink", packed, bf16_bytes)
+    raw_bps = max(disk["serial"], disk["overlapped"])
+    raw_tps, sink_tps = raw_bps / bf16_bytes, disk["ours"] / bf16_bytes
+    print("sink (bf16 sizes): " + ", ".join(f"{k} {v / 2**30:.3f} GiB/s" for k, v in disk.items()), flush=True)
     summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget)
     worker_tps = summary["tokens_per_s"]
     steady_tps = steady_state(out)
     shutil.rmtree(out, ignore_errors=True)
-    print(f"worker {worker_tps:,.0f} tok/s, padding waste {summary.get('padding_waste')}, peak GPU "
-          f"{summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB", flush=True)
+    print(f"worker {worker_tps:,.0f} tok/s (steady {steady_tps:,.0f}), padding waste {summary.get('padding_waste')},"
+          f" peak GPU {summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB", flush=True)
+    fp8 = None
+    if args.fp8:
+        disk8 = sink(out.parent / "sink", packed, fp8_bytes, ours=False)
+        raw8_tps = max(disk8.values()) / fp8_bytes
+        fp8 = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--out-dtype", "fp8_e4m3")
+        fp8["steady"] = steady_state(out)
+        fp8["ceiling"] = min(bare_tps, raw8_tps)
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"fp8: sink {', '.join(f'{k} {v / 2**30:.3f} GiB/s' for k, v in disk8.items())}; worker "
+              f"{fp8['tokens_per_s']:,.0f} tok/s (steady {fp8['steady']:,.0f})", flush=True)
     oom = None
     if args.oom_budget:
         oom = worker(model_dir, work / "data.jsonl", out, args.layers, args.oom_budget)
@@ -265,16 +304,28 @@ def main() -> int:
               f"{oom['samples_done']}/{oom['samples_total']} samples done, skipped {oom['skipped']}", flush=True)
     naive_tps = naive(model_dir, work / "data.jsonl", work / "naive", layer_ids, args.naive_samples)
     ceiling = min(bare_tps, raw_tps)
-    rows = [("bare forward (GPU ceiling)", bare_tps), ("capture, nothing copied out", capture_tps),
-            ("sink: raw write+fsync (sink ceiling)", raw_tps), ("sink: the worker's write_batch", sink_tps),
-            ("worker end to end (whole loop)", worker_tps),
-            ("worker steady state (after 1st file)", steady_tps), ("naive per-sample loop", naive_tps)]
-    print(f"\n{'what':<40} {'tok/s':>10} {'GiB/s out':>10}")
-    for name, tps in rows:
-        print(f"{name:<40} {tps:>10,.0f} {tps * width * 2 / 2**30:>10.2f}")
+    rows = [("bare forward (GPU ceiling)", bare_tps, bf16_bytes), ("capture, nothing copied out", capture_tps, bf16_bytes),
+            ("sink: raw write+fsync, one file at a time", disk["serial"] / bf16_bytes, bf16_bytes),
+            ("sink: raw, fsync of n overlaps write of n+1", disk["overlapped"] / bf16_bytes, bf16_bytes),
+            ("sink: the worker's write_batch, serial", sink_tps, bf16_bytes),
+            ("worker end to end (whole loop)", worker_tps, bf16_bytes),
+            ("worker steady state (after 1st file)", steady_tps, bf16_bytes),
+            ("naive per-sample loop", naive_tps, bf16_bytes)]
+    if fp8:
+        rows += [("sink fp8: raw, the better of the two", raw8_tps, fp8_bytes),
+                 ("worker fp8_e4m3 end to end", fp8["tokens_per_s"], fp8_bytes),
+                 ("worker fp8_e4m3 steady state", fp8["steady"], fp8_bytes)]
+    print(f"\n{'what':<46} {'tok/s':>10} {'GiB/s out':>10}")
+    for name, tps, per_token in rows:
+        print(f"{name:<46} {tps:>10,.0f} {tps * per_token / 2**30:>10.3f}")
     print(f"\nworker / min(GPU ceiling, sink ceiling) = {worker_tps / ceiling:.3f} over its whole extraction loop "
           f"(start-up kernels compiled on the first batches included), {steady_tps / ceiling:.3f} in steady state "
-          f"(goal >= 0.95; the {'sink' if raw_tps < bare_tps else 'GPU'} is the ceiling)")
+          f"(goal >= 0.95; the {'sink' if raw_tps < bare_tps else 'GPU'} is the ceiling; sink ceiling = the better "
+          f"raw figure)")
+    if fp8:
+        print(f"fp8_e4m3: worker / min(GPU ceiling, fp8 sink ceiling) = {fp8['tokens_per_s'] / fp8['ceiling']:.3f} "
+              f"whole loop, {fp8['steady'] / fp8['ceiling']:.3f} steady; {fp8['tokens_per_s'] / worker_tps:.2f}x the bf16 "
+              f"worker ({fp8_bytes / bf16_bytes:.3f} of its bytes)")
     print(f"worker / naive = {worker_tps / naive_tps:.1f}x")
     print(f"padding waste: this data {padded / real - 1:.4f} (planner), {summary.get('padding_waste')} (worker); "
           f"the planner on {PLANNER_SAMPLES:,} samples of the same distribution: {planner_waste(args.token_budget):.4f} "
@@ -282,9 +333,9 @@ def main() -> int:
     print(f"peak GPU memory (worker): {summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB; "
           f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.json:
-        args.json.write_text(json.dumps({"bare": bare_tps, "capture": capture_tps, "sink_raw": raw_tps,
-                                         "sink_ours": sink_tps, "worker": worker_tps, "naive": naive_tps,
-                                         "ratio": worker_tps / ceiling, "steady": steady_tps, "summary": summary, "oom": oom}, indent=1))
+        args.json.write_text(json.dumps({"bare": bare_tps, "capture": capture_tps, "sink": disk, "worker": worker_tps,
+                                         "naive": naive_tps, "ratio": worker_tps / ceiling, "steady": steady_tps,
+                                         "summary": summary, "fp8": fp8, "oom": oom}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .batchfile import serialize_batch, write_payload
+from .batchfile import Payload, Unsealed, build_payload, write_unsealed
 from .batching import pack, padded_tokens
 from .capture import LayerCapture, read_model_info, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
@@ -43,11 +43,10 @@ BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to
 
 @dataclass
 class Prepared:
-    """A batch file serialized and hashed, waiting for its turn to be written."""
+    """A batch file laid out and hashed (its data still in the staging buffers), waiting to be written."""
 
     name: str
-    payload: bytes
-    digest: str
+    payload: Payload
     ids: list[str]
     lengths: list[int]
 
@@ -252,7 +251,7 @@ class ShardRun:
             self.progress.samples_done += int(counts_as_done)
 
     def prepare_file(self, batch: list[Tokenized], states: dict) -> "Prepared":
-        """Name (in order), serialize and hash one batch file: CPU work, no I/O."""
+        """Name (in order), lay out and hash one batch file: CPU work, no I/O, the states not copied."""
         name = f"batch-{self.next_seq:06d}.safetensors"
         self.next_seq += 1
         lengths = [len(s) for s in batch]
@@ -263,15 +262,19 @@ class ShardRun:
             "cu_seqlens": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
         }
         ids = [s.id for s in batch]
-        payload, digest = serialize_batch(tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
-        return Prepared(name, payload, digest, ids, lengths)
+        return Prepared(name, build_payload(tensors, {**self.metadata, "sample_ids": json.dumps(ids)}), ids, lengths)
 
-    def land_file(self, prep: "Prepared") -> None:
-        """Write a prepared file durably, then journal it (in order; the journal names only landed files)."""
+    def write_file(self, prep: "Prepared") -> Unsealed:
+        """Copy a prepared file into the page cache under its temp name (the disk catches up in `seal_file`)."""
         if self.uploader:  # bounded local disk: over the high-water mark, wait for uploads to catch up
             self.uploader.spool.wait_for_room(self.uploader.failed)
             self.uploader.raise_if_failed()
-        written = write_payload(self.cfg.shard_dir / prep.name, prep.payload, prep.digest)
+        return write_unsealed(self.cfg.shard_dir / prep.name, prep.payload)
+
+    def seal_file(self, prep: "Prepared", unsealed: Unsealed) -> None:
+        """Make a written file durable and put it in place, then journal it (in order: the journal names
+        only files that are durable)."""
+        written = unsealed.seal()
         entry = {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
                  "lengths": prep.lengths, "bytes": written.bytes, "sha256": written.sha256}
         self.journal.append(entry, durable=True)
@@ -327,23 +330,25 @@ class ShardRun:
 
 
 class BatchWriter:
-    """Two background threads between the forward loop and the disk.
+    """Three background threads between the forward loop and the disk, each stage bounded.
 
     The main thread only queues work: the device -> pinned host copy runs on a side stream
-    (`HostStaging`). The prepare thread waits for it, drops non-finite samples, serializes and hashes
-    (then frees the pinned buffers); the land thread writes, fsyncs and journals, in order, so file n+1 is
-    serialized while file n goes to disk. At most `depth` batches wait for each stage; then `put` waits
-    (the sink is the bottleneck, and the GPU is held back rather than memory growing).
+    (`HostStaging`). The prepare thread waits for that copy, drops non-finite samples, lays the file out
+    and hashes it, reading the pinned buffers in place; the write thread copies file n into the page
+    cache (then frees its pinned buffers) while the seal thread fsyncs file n-1, renames and journals
+    it, in order, so the disk never waits for a copy. Every wait for room (`depth` pinned sets, one file
+    per hand-off) holds the GPU back instead of letting memory grow: the sink is the bottleneck.
     """
 
-    def __init__(self, shard: ShardRun, device: torch.device, depth: int = 3):
+    def __init__(self, shard: ShardRun, device: torch.device, depth: int = 4):
         self.shard = shard
         self.staging = HostStaging(device, depth)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.landing: queue.Queue = queue.Queue(maxsize=2)
+        self.landing: queue.Queue = queue.Queue(maxsize=1)
+        self.sealing: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
-        self.threads = [threading.Thread(target=self._prepare, name="hsextract-prepare", daemon=True),
-                        threading.Thread(target=self._land, name="hsextract-writer", daemon=True)]
+        self.threads = [threading.Thread(target=target, name=f"hsextract-{target.__name__[1:]}", daemon=True)
+                        for target in (self._prepare, self._write, self._seal)]
         for thread in self.threads:
             thread.start()
 
@@ -353,28 +358,53 @@ class BatchWriter:
         if batch:
             self.queue.put((batch, self.staging.stage(states)))
 
+    def _fail(self, exc: BaseException) -> None:
+        self.error = self.error or exc  # surfaced on the main thread at the next put/close
+
     def _prepare(self) -> None:
         while (item := self.queue.get()) is not None:
             batch, staged = item
+            prepared = None
             if self.error is None:
                 try:
                     states = dict(staged.wait())
                     bad = states.pop(BAD_KEY).tolist()
                     batch, states = self.shard.drop_nonfinite(batch, states, bad)
                     if batch:
-                        self.landing.put(self.shard.prepare_file(batch, states))
-                except BaseException as exc:  # surfaced on the main thread at the next put/close
-                    self.error = exc
-            staged.release()
+                        prepared = self.shard.prepare_file(batch, states)
+                except BaseException as exc:
+                    self._fail(exc)
+            if prepared is None:
+                staged.release()
+            else:
+                self.landing.put((prepared, staged))  # the file's data is still in the staged buffers
         self.landing.put(None)
 
-    def _land(self) -> None:
-        while (prepared := self.landing.get()) is not None:
+    def _write(self) -> None:
+        while (item := self.landing.get()) is not None:
+            prepared, staged = item
+            unsealed = None
             if self.error is None:
                 try:
-                    self.shard.land_file(prepared)
+                    unsealed = self.shard.write_file(prepared)
                 except BaseException as exc:
-                    self.error = exc
+                    self._fail(exc)
+            prepared.payload = None
+            staged.release()  # the bytes are in the page cache: the pinned set can take the next batch
+            if unsealed is not None:
+                self.sealing.put((prepared, unsealed))
+        self.sealing.put(None)
+
+    def _seal(self) -> None:
+        while (item := self.sealing.get()) is not None:
+            prepared, unsealed = item
+            if self.error is not None:
+                unsealed.abandon()
+                continue
+            try:
+                self.shard.seal_file(prepared, unsealed)
+            except BaseException as exc:
+                self._fail(exc)
 
     def close(self) -> None:
         self.queue.put(None)

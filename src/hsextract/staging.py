@@ -1,8 +1,8 @@
 """Device -> host copies that never stall the forward loop.
 
 `HostStaging.stage(states)` queues a copy of a batch's device tensors into pinned host buffers on a side
-stream and returns at once with a `Staged` (host tensors + an event). The writer thread waits on the event,
-serializes, then releases the buffers. There are `depth` sets of pinned buffers, reused batch after batch
+stream and returns at once with a `Staged` (host tensors + an event). The writer threads wait on the event,
+lay the file out and hash it in place, write it to the page cache, then release the buffers. There are `depth` sets of pinned buffers, reused batch after batch
 (pinned allocation is slow); `stage` waits for a free set, which bounds host memory and applies
 backpressure to the GPU when the sink is slower. On a CPU device the tensors pass through untouched.
 """
@@ -29,14 +29,14 @@ class Staged:
         return self.tensors
 
     def release(self) -> None:
-        """The host buffers may be reused (call once the tensors are serialized)."""
+        """The host buffers may be reused (call once the tensors are written out)."""
         if self._free is not None and self._slot is not None:
             self._free.put(self._slot)
             self._slot = None
 
 
 class HostStaging:
-    def __init__(self, device: torch.device, depth: int = 3):
+    def __init__(self, device: torch.device, depth: int = 4):
         self.cuda = device.type == "cuda"
         self.depth = depth
         self.pinned_bytes = 0

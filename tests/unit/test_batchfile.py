@@ -1,0 +1,62 @@
+"""The batch file writer lays out safetensors itself (no serialized copy of the states): same bytes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from hsextract.batchfile import DTYPE_NAMES, build_payload, write_batch, write_unsealed
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i, dtype in enumerate(DTYPE_NAMES):
+        x = torch.randn(3, 5, generator=g) * 10
+        tensors[f"t{i}"] = x > 0 if dtype == torch.bool else x.to(dtype)
+    tensors["a_late_bf16"] = torch.randn(4, 2, generator=g).to(torch.bfloat16)  # ties sort by name
+    tensors["empty"] = torch.zeros(0, 7, dtype=torch.int32)
+    tensors["strided"] = torch.arange(24, dtype=torch.int64).reshape(4, 6)[:, ::2]  # not contiguous
+    return tensors
+
+
+def test_payload_is_byte_identical_to_safetensors_save():
+    tensors = every_dtype()
+    ref = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format_version": "1"})
+    payload = build_payload(tensors, {})
+    assert payload.tobytes() == ref and payload.size == len(ref)
+    assert payload.sha256 == hashlib.sha256(ref).hexdigest()
+
+
+def test_written_file_reads_back_with_safetensors(tmp_path):
+    tensors = every_dtype()
+    meta = {"sample_ids": '["a", "b\\u00e9"]', "model": "m é", "layer_ids": "[1, 2]"}
+    written = write_batch(tmp_path / "b.safetensors", tensors, meta)
+    data = (tmp_path / "b.safetensors").read_bytes()
+    assert written.bytes == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
+    with safe_open(str(tmp_path / "b.safetensors"), framework="pt") as handle:
+        assert handle.metadata() == {"format_version": "1", **meta}
+        assert set(handle.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(handle.get_tensor(name), tensor), name
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_refuses_a_tensor_it_cannot_lay_out():
+    with pytest.raises(ValueError, match="'c'.*complex64"):
+        build_payload({"c": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+def test_unsealed_file_is_not_in_place_until_sealed(tmp_path):
+    unsealed = write_unsealed(tmp_path / "b.safetensors", build_payload({"x": torch.ones(3)}, {}))
+    assert not (tmp_path / "b.safetensors").exists() and (tmp_path / ".b.safetensors.tmp").exists()
+    written = unsealed.seal()
+    assert (tmp_path / "b.safetensors").stat().st_size == written.bytes
+    assert not (tmp_path / ".b.safetensors.tmp").exists()
+    dropped = write_unsealed(tmp_path / "c.safetensors", build_payload({"x": torch.ones(3)}, {}))
+    dropped.abandon()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors"]
