@@ -1,7 +1,7 @@
 """A fault-injecting HTTP proxy in front of a real S3 endpoint (moto): 500s, throttling, dropped connections.
 
 `FaultProxy(upstream).start()` listens on 127.0.0.1:<free port>; `rule(request) -> action` decides per request:
-None passes it on, an int answers with that status and an S3 error body (500 InternalError, 503 SlowDown),
+None passes it on, an int answers with that status and an S3 error body (403 AccessDenied, 500 InternalError, 503 SlowDown),
 "drop" closes the connection without an answer. Every request is recorded in `seen` as (method, path+query).
 `bandwidth` (bytes/s) makes request bodies cross one shared link at that rate, as an uplink would (the wait
 is a sleep: no CPU is spent on it).
@@ -15,7 +15,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-ERRORS = {500: "InternalError", 503: "SlowDown"}
+ERRORS = {403: "AccessDenied", 500: "InternalError", 503: "SlowDown"}
 
 
 class FaultProxy:

@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--spool-low-gb", type=float, default=32.0, help="resume it below this")
     ex.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (default: AWS / $AWS_ENDPOINT_URL)")
     ex.add_argument("--upload-part-mb", type=int, default=64, help="multipart part size")
+    ex.add_argument("--upload-from", choices=("disk", "memory"), default="disk",
+                    help="with --out s3://...: upload each file after writing it to the spool (default), or "
+                         "straight from memory, writing to the spool only when --upload-memory-gb is full")
+    ex.add_argument("--upload-memory-gb", type=float, default=8.0,
+                    help="--upload-from memory: most bytes held in memory waiting for upload")
     ex.add_argument("--retry-skipped", default="", metavar="REASONS",
                     help="comma-separated skip reasons to try again (e.g. oom,nonfinite_states)")
 
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             retry_skipped=frozenset(r for r in args.retry_skipped.split(",") if r),
             upload=upload, s3_endpoint=args.s3_endpoint, spool_high_bytes=int(args.spool_high_gb * 2**30),
             spool_low_bytes=int(args.spool_low_gb * 2**30), upload_part_bytes=args.upload_part_mb << 20,
+            upload_from=args.upload_from, upload_memory_bytes=int(args.upload_memory_gb * 2**30),
         )
         heartbeat = Heartbeat(cfg.status_path, Progress(args.shard, args.num_shards, __version__),
                               args.heartbeat_interval)

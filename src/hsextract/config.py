@@ -41,6 +41,8 @@ class ExtractConfig:
     spool_high_bytes: int = 64 << 30   # extraction pauses when this much waits for upload...
     spool_low_bytes: int = 32 << 30    # ...and resumes below this
     upload_part_bytes: int = 64 << 20
+    upload_from: str = "disk"          # memory: straight from memory to S3, disk only when over the budget
+    upload_memory_bytes: int = 8 << 30  # --upload-from memory: bytes held in memory waiting for upload
 
     @property
     def shard_dir(self) -> Path:
@@ -72,6 +74,12 @@ class ExtractConfig:
         if not 0 < self.spool_low_bytes <= self.spool_high_bytes:
             raise UsageError(f"--spool-low-gb/--spool-high-gb: need 0 < low <= high "
                              f"(got {self.spool_low_bytes / 2**30:g} and {self.spool_high_bytes / 2**30:g})")
+        if self.upload_from not in ("disk", "memory"):
+            raise UsageError(f"--upload-from {self.upload_from!r}: choose disk or memory")
+        if self.upload_from == "memory" and self.upload is None:
+            raise UsageError("--upload-from memory: only with --out s3://bucket/prefix (a local output is the disk)")
+        if self.upload_memory_bytes <= 0:
+            raise UsageError(f"--upload-memory-gb {self.upload_memory_bytes / 2**30:g}: must be positive")
         if self.upload_part_bytes < 5 << 20:
             raise UsageError(f"--upload-part-mb {self.upload_part_bytes >> 20}: S3 parts are at least 5 MB")
         if not self.data.is_file():

@@ -142,7 +142,8 @@ class ShardRun:
         client = s3_client(cfg.s3_endpoint)
         fetch_journals(client, cfg.upload, cfg.out)  # what every earlier run put in the store counts as done
         spool = Spool(cfg.spool_high_bytes, cfg.spool_low_bytes, self.progress)
-        self.uploader = BackgroundUploader(client, cfg.upload, cfg.shard_dir, spool, cfg.upload_part_bytes)
+        self.uploader = BackgroundUploader(client, cfg.upload, cfg.shard_dir, spool, cfg.upload_part_bytes,
+                                           memory_bytes=cfg.upload_memory_bytes if cfg.upload_from == "memory" else 0)
 
     def resume_uploads(self) -> None:
         """Journaled files still on local disk were not verified in the store yet: send them first.
@@ -264,30 +265,43 @@ class ShardRun:
         ids = [s.id for s in batch]
         return Prepared(name, build_payload(tensors, {**self.metadata, "sample_ids": json.dumps(ids)}), ids, lengths)
 
-    def write_file(self, prep: "Prepared") -> Unsealed:
-        """Copy a prepared file into the page cache under its temp name (the disk catches up in `seal_file`)."""
+    def write_file(self, prep: "Prepared") -> Unsealed | None:
+        """Copy a prepared file into the page cache under its temp name (the disk catches up in `seal_file`);
+        or, with --upload-from memory and room in its budget, hand its bytes to the uploader (None)."""
+        if self.uploader and self.uploader.reserve_memory(prep.payload.size):
+            entry = self.file_entry(prep, prep.payload.size, prep.payload.sha256) | {"from_memory": True}
+            self.uploader.submit_memory(entry, prep.payload.tobytes(), self.record_file)
+            return None
         if self.uploader:  # bounded local disk: over the high-water mark, wait for uploads to catch up
-            self.uploader.spool.wait_for_room(self.uploader.failed)
+            self.uploader.spool.reserve(prep.payload.size, self.uploader.failed)
             self.uploader.raise_if_failed()
         return write_unsealed(self.cfg.shard_dir / prep.name, prep.payload)
 
     def seal_file(self, prep: "Prepared", unsealed: Unsealed) -> None:
-        """Make a written file durable and put it in place, then journal it (in order: the journal names
-        only files that are durable)."""
+        """Make a written file durable and put it in place, then journal it (the journal names only files
+        that are durable) and queue its upload."""
         written = unsealed.seal()
-        entry = {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
-                 "lengths": prep.lengths, "bytes": written.bytes, "sha256": written.sha256}
-        self.journal.append(entry, durable=True)
+        entry = self.file_entry(prep, written.bytes, written.sha256)
+        self.record_file(entry)
         if self.uploader:
-            self.uploader.submit(entry)
+            self.uploader.submit(entry, reserved=True)
+
+    @staticmethod
+    def file_entry(prep: "Prepared", size: int, sha256: str) -> dict:
+        return {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
+                "lengths": prep.lengths, "bytes": size, "sha256": sha256}
+
+    def record_file(self, entry: dict) -> None:
+        """Journal a file that is durable (on disk, or verified in the store) and count it."""
+        self.journal.append(entry, durable=True)
         p = self.progress
         with self.counting:
-            p.samples_done += len(prep.ids)
-            p.samples_written += len(prep.ids)
-            p.tokens_done += sum(prep.lengths)
+            p.samples_done += len(entry["ids"])
+            p.samples_written += len(entry["ids"])
+            p.tokens_done += entry["tokens"]
             p.files += 1
-            p.bytes += written.bytes
-            p.last_batch = prep.name
+            p.bytes += entry["bytes"]
+            p.last_batch = entry["file"]
 
     def finish(self) -> dict:
         if self.uploader:
@@ -325,7 +339,9 @@ class ShardRun:
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,
                            "drain_s": round(self.drain_s, 3),
                            "paused_s": round(self.uploader.spool.paused_s, 3),
-                           "max_spool_bytes": self.uploader.spool.max_pending}} if self.uploader else {}),
+                           "max_spool_bytes": self.uploader.spool.max_pending,
+                           "from_memory": self.uploader.files_from_memory,
+                           "max_memory_bytes": self.uploader.max_in_memory}} if self.uploader else {}),
         }
 
 

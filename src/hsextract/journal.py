@@ -2,6 +2,7 @@
 
 One JSON object per line in `<out>/<shard dir>/journal.jsonl`:
   {"kind": "file", "file", "ids", "tokens", "lengths", "bytes", "sha256", "time"}   after the file is durable
+      (+ "from_memory": true when it went straight from memory to the store: journaled once verified there)
   {"kind": "skip", "id", "reason", "detail", "line", "time"}
   {"kind": "done", "summary": {...}, "time"}
   {"kind": "lost", "file", "why", "time"}   appended by reconcile: the file is gone or corrupt in the store,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ class Journal:
         self.path = shard_dir / JOURNAL_NAME
         self._cut_torn_tail()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        self._lock = threading.Lock()
 
     def _cut_torn_tail(self) -> None:
         if not self.path.exists():
@@ -75,9 +78,10 @@ class Journal:
 
     def append(self, entry: dict, durable: bool = False) -> None:
         line = json.dumps({**entry, "time": round(time.time(), 3)}, separators=(",", ":")) + "\n"
-        os.write(self._fd, line.encode())
-        if durable:
-            os.fsync(self._fd)
+        with self._lock:  # writer, uploader and main threads append
+            os.write(self._fd, line.encode())
+            if durable:
+                os.fsync(self._fd)
 
     def close(self) -> None:
         if self._fd >= 0:

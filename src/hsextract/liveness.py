@@ -3,7 +3,7 @@
 Files in the status directory (default: the shard's directory under a local output):
   heartbeat.json  {"time", "pid", "shard", "num_shards", "phase", "samples_done", "samples_total",
                    "samples_skipped", "tokens_done", "tokens_per_s", "files", "bytes", "last_batch",
-                   "spool_bytes", "files_uploaded", "bytes_uploaded", ...}
+                   "spool_bytes", "upload_memory_bytes", "files_uploaded", "bytes_uploaded", ...}
   exit.json       {"time", "pid", "code", "reason"}
 Both are replaced atomically (temp file + rename), so a reader never sees half a file.
 """
@@ -60,6 +60,7 @@ class Progress:
     tokens_forwarded: int = 0   # real tokens in those passes
     last_batch: str | None = None
     spool_bytes: int = 0        # written, waiting for upload (s3:// output)
+    upload_memory_bytes: int = 0  # held in memory, waiting for upload (--upload-from memory)
     upload_paused: bool = False  # extraction waits for uploads (spool over its high-water mark)
     files_uploaded: int = 0
     bytes_uploaded: int = 0

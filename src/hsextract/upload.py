@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
 import queue
@@ -60,14 +61,23 @@ def s3_client(endpoint_url: str | None = None, attempts: int = 8, **kwargs):
     return session.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
 
-def local_digests(path: Path, part_size: int) -> tuple[str, list[bytes], int]:
-    """(hex sha256 of the file, raw sha256 of each `part_size` part, size), reading the file once."""
+def local_digests(source: Path | bytes, part_size: int) -> tuple[str, list[bytes], int]:
+    """(hex sha256 of the file or bytes, raw sha256 of each `part_size` part, size), reading it once."""
     whole, parts, size = hashlib.sha256(), [], 0
-    with path.open("rb") as handle:
-        while chunk := handle.read(part_size):
+    if isinstance(source, Path):
+        with source.open("rb") as handle:
+            chunks = iter(lambda: handle.read(part_size), b"")
+            for chunk in chunks:
+                whole.update(chunk)
+                parts.append(hashlib.sha256(chunk).digest())
+                size += len(chunk)
+    else:
+        view = memoryview(source)
+        for start in range(0, len(view), part_size):
+            chunk = view[start:start + part_size]
             whole.update(chunk)
             parts.append(hashlib.sha256(chunk).digest())
-            size += len(chunk)
+        size = len(view)
     return whole.hexdigest(), parts, size
 
 
@@ -87,27 +97,41 @@ def same_checksum(stored: str, want: str) -> bool:
     return value == want_value and (not count or count == want_count)
 
 
+def transfer_config(part_size: int = 64 << 20, concurrency: int = 8):
+    from boto3.s3.transfer import TransferConfig
+
+    return TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
+                          max_concurrency=concurrency, use_threads=concurrency > 1)
+
+
 def transfer_for(client, part_size: int = 64 << 20, concurrency: int = 8):
-    """A transfer manager for multipart uploads, made once and reused (it owns a thread pool)."""
-    from boto3.s3.transfer import S3Transfer, TransferConfig
+    """A transfer manager for multipart uploads of files, made once and reused (it owns a thread pool)."""
+    from boto3.s3.transfer import S3Transfer
 
-    return S3Transfer(client, TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
-                                             max_concurrency=concurrency, use_threads=concurrency > 1))
+    return S3Transfer(client, transfer_config(part_size, concurrency))
 
 
-def upload_verified(client, path: Path, bucket: str, key: str, journal_sha256: str, journal_bytes: int,
+def upload_verified(client, path: Path | bytes, bucket: str, key: str, journal_sha256: str, journal_bytes: int,
                     part_size: int = 64 << 20, concurrency: int = 8, delete: bool = True,
-                    transfer=None) -> Uploaded:
+                    transfer=None, where: str | None = None) -> Uploaded:
+    """`path` is a local file, or a file's bytes held in memory (`where` then names it in errors)."""
+    in_memory = not isinstance(path, Path)
+    where = where or str(path)
     full, parts, size = local_digests(path, part_size)
     if full != journal_sha256 or size != journal_bytes:
-        raise CorruptFile(f"{path}: on disk sha256 {full} / {size} bytes, but the journal wrote {journal_sha256} / "
-                          f"{journal_bytes}: not uploaded")
+        raise CorruptFile(f"{where}: {'in memory' if in_memory else 'on disk'} sha256 {full} / {size} bytes, but "
+                          f"it was written as {journal_sha256} / {journal_bytes}: not uploaded")
     multipart = size >= part_size
     if multipart:
-        (transfer or transfer_for(client, part_size, concurrency)).upload_file(
-            str(path), bucket, key, extra_args={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": full}})
+        extra = {"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": full}}
+        if in_memory:
+            client.upload_fileobj(io.BytesIO(path), bucket, key, ExtraArgs=extra,
+                                  Config=transfer_config(part_size, concurrency))
+        else:
+            (transfer or transfer_for(client, part_size, concurrency)).upload_file(str(path), bucket, key,
+                                                                                   extra_args=extra)
     else:  # one PUT carrying the sha256 just verified: the store checks the body against it, no re-hash here
-        with path.open("rb") as body:
+        with (io.BytesIO(path) if in_memory else path.open("rb")) as body:
             client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={"sha256": full},
                               ChecksumSHA256=expected_checksum(full, parts, False))
     head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
@@ -117,7 +141,7 @@ def upload_verified(client, path: Path, bucket: str, key: str, journal_sha256: s
         raise UploadMismatch(f"s3://{bucket}/{key}: stored {head['ContentLength']} bytes, checksum {stored or '-'}, "
                              f"metadata sha256 {head.get('Metadata', {}).get('sha256')}; sent {size} bytes, "
                              f"checksum {want}, sha256 {full}")
-    if delete:
+    if delete and not in_memory:
         path.unlink()
     return Uploaded(key, size, full, max(1, len(parts)) if multipart else 1, stored)
 
@@ -152,18 +176,21 @@ class Spool:
             self._publish()
             self._cond.notify_all()
 
-    def wait_for_room(self, failed: threading.Event) -> None:
-        """Block while over the high-water mark, until under the low one (or the uploader failed)."""
+    def reserve(self, n: int, failed: threading.Event) -> None:
+        """Count `n` bytes about to be written, first blocking while over the high-water mark until under
+        the low one (or the uploader failed). Counting at write time, not at upload submission, bounds
+        the files that are being written or sealed too, not just those queued for upload."""
         with self._cond:
-            if self.pending < self.high:
-                return
-            self.paused, started = True, time.monotonic()
+            if self.pending >= self.high:
+                self.paused, started = True, time.monotonic()
+                self._publish()
+                while self.pending > self.low and not failed.is_set():
+                    self._cond.wait(0.5)
+                self.paused = False
+                self.paused_s += time.monotonic() - started
+            self.pending += n
+            self.max_pending = max(self.max_pending, self.pending)
             self._publish()
-            while self.pending > self.low and not failed.is_set():
-                self._cond.wait(0.5)
-            self.paused = False
-            self._publish()
-            self.paused_s += time.monotonic() - started
 
 
 class BackgroundUploader:
@@ -177,10 +204,17 @@ class BackgroundUploader:
     files uploaded since: redone elsewhere, and any second copy resolved by reconcile). The local file is
     deleted only after `upload_verified` matched it. The first error stops the uploader;
     `raise_if_failed`/`drain` surface it.
+
+    With `memory_bytes` > 0 (`--upload-from memory`) a file can also go straight from memory: the writer
+    asks `reserve_memory`, and while under that budget hands the file's bytes to `submit_memory` instead of
+    writing them to disk; its journal entry is written (`on_stored`) only once the object is verified in
+    the store, so the journal never names a file that is neither on disk nor in the store. Over the
+    budget the writer spills to disk as usual: disk is only the overflow.
     """
 
     def __init__(self, client, uri: str, shard_dir: Path, spool: Spool, part_size: int = 64 << 20,
-                 concurrency: int = 8, mirror_every_s: float = 10.0, files_in_flight: int = 4):
+                 concurrency: int = 8, mirror_every_s: float = 10.0, files_in_flight: int = 4,
+                 memory_bytes: int = 0):
         self.client = client
         self.bucket, self.prefix = split_uri(uri)
         self.shard_dir = shard_dir
@@ -192,6 +226,10 @@ class BackgroundUploader:
         self.uploaded: set[str] = set()
         self.files_uploaded = 0
         self.bytes_uploaded = 0
+        self.memory_bytes = memory_bytes
+        self.in_memory = 0  # bytes held for upload from memory
+        self.max_in_memory = 0
+        self.files_from_memory = 0
         self.error: BaseException | None = None
         self.failed = threading.Event()
         self._queue: queue.Queue = queue.Queue()
@@ -206,25 +244,54 @@ class BackgroundUploader:
         rel = f"{self.shard_dir.name}/{name}"
         return f"{self.prefix}/{rel}" if self.prefix else rel
 
-    def submit(self, entry: dict) -> None:
+    def submit(self, entry: dict, reserved: bool = False) -> None:
+        """Queue a journaled file on disk; `reserved`: its bytes were already counted by `Spool.reserve`."""
         self.raise_if_failed()
-        self.spool.add(entry["bytes"])
+        if not reserved:
+            self.spool.add(entry["bytes"])
         self._queue.put(entry)
+
+    def reserve_memory(self, size: int) -> bool:
+        """Room for `size` more bytes in memory? (then the caller must `submit_memory` them)"""
+        with self._lock:
+            if self.error is not None or self.in_memory + size > self.memory_bytes:
+                return False
+            self.in_memory += size
+            self.max_in_memory = max(self.max_in_memory, self.in_memory)
+            self._publish_memory()
+            return True
+
+    def submit_memory(self, entry: dict, data: bytes, on_stored) -> None:
+        """Upload `data` (reserved) as `entry["file"]`; `on_stored(entry)` journals it once verified."""
+        self._queue.put((entry, data, on_stored))
+
+    def _publish_memory(self) -> None:
+        if self.spool.progress is not None:
+            self.spool.progress.upload_memory_bytes = self.in_memory
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise UploadFailed(f"upload to s3://{self.bucket}/{self.prefix} failed: {self.error}") from self.error
 
     def _run(self) -> None:
-        while (entry := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            entry, data, on_stored = item if isinstance(item, tuple) else (item, None, None)
+            item = None
             if self.error is not None:
+                if data is not None:
+                    self._forget(len(data))
                 continue
             with self._lock:
                 self._in_flight += 1
             try:
                 path = self.shard_dir / entry["file"]
-                upload_verified(self.client, path, self.bucket, self.key(entry["file"]), entry["sha256"],
-                                entry["bytes"], self.part_size, self.concurrency, transfer=self.transfer)
+                if data is None:
+                    upload_verified(self.client, path, self.bucket, self.key(entry["file"]), entry["sha256"],
+                                    entry["bytes"], self.part_size, self.concurrency, transfer=self.transfer)
+                else:
+                    upload_verified(self.client, data, self.bucket, self.key(entry["file"]), entry["sha256"],
+                                    entry["bytes"], self.part_size, self.concurrency, where=f"{path} (in memory)")
+                    on_stored(entry)  # journaled now that the store holds it, verified
                 with self._lock:
                     self.uploaded.add(entry["file"])
                     self.files_uploaded += 1
@@ -234,12 +301,25 @@ class BackgroundUploader:
                         self.spool.progress.bytes_uploaded = self.bytes_uploaded
                     self._in_flight -= 1
                     caught_up = self._in_flight == 0 and self._queue.empty()
-                self.spool.remove(entry["bytes"])
+                if data is None:
+                    self.spool.remove(entry["bytes"])
+                else:
+                    data = None
+                    self._forget(entry["bytes"], stored=True)
                 if caught_up or time.monotonic() - self._mirrored_at >= self.mirror_every_s:
                     self.mirror_journal()  # caught up, or a while since: a backlog costs one PUT per interval
             except BaseException as exc:  # surfaced on the main thread
                 self.error = self.error or exc
                 self.failed.set()
+                if data is not None:  # never journaled: the samples are redone by the next run
+                    data = None
+                    self._forget(entry["bytes"])
+
+    def _forget(self, size: int, stored: bool = False) -> None:
+        with self._lock:
+            self.in_memory -= size
+            self.files_from_memory += int(stored)
+            self._publish_memory()
 
     def mirror_journal(self) -> None:
         """Put the journal, less `file` entries not yet in the store, next to the uploaded files."""

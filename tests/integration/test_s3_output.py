@@ -98,3 +98,93 @@ def test_a_retraction_in_the_store_reaches_a_host_whose_journal_is_ahead(tmp_pat
     assert set(state.written) == {"b"}, "a's file is retracted, so a is redone; b stays written"
     assert fetch_journals(client, f"s3://{bucket}/p", tmp_path) == 1  # sizes differ, nothing new merged
     assert [json.loads(l) for l in local.read_text().splitlines()] == entries
+
+
+def journal_files(spool, shard_dir="shard-00000-of-00001"):
+    return [json.loads(l) for l in (spool / shard_dir / "journal.jsonl").read_text().splitlines()
+            if '"kind":"file"' in l]
+
+
+def test_upload_from_memory_never_touches_disk_and_reconciles(tmp_path, tiny_model, dataset, s3, s3_endpoint):
+    client, bucket = s3
+    spool = tmp_path / "spool"
+    for shard in range(2):
+        proc = run_extract(tiny_model, dataset, f"s3://{bucket}/m", shard, 2, "--token-budget", "256",
+                           "--spool", str(spool), "--s3-endpoint", s3_endpoint, "--upload-from", "memory")
+        assert proc.returncode == 0, proc.stderr
+        summary = summary_of(proc)
+        assert summary["upload"]["from_memory"] == summary["files"] == summary["upload"]["files"] > 0
+        entries = journal_files(spool, f"shard-{shard:05d}-of-00002")
+        assert len(entries) == summary["files"] and all(e["from_memory"] for e in entries)
+    assert not list(spool.rglob("*.safetensors")) and not list(spool.rglob(".*.tmp"))
+    report = reconcile_output(S3Store(f"s3://{bucket}/m", client=client, verify=True), ids_of(dataset), 2)
+    assert report.complete and report.sealed and report.duplicated == 0 and not report.corrupt_objects
+    assert report.unjournaled_objects == 0
+
+
+def test_upload_from_memory_spills_to_disk_when_its_budget_is_full(tmp_path, tiny_model, dataset, s3, s3_endpoint):
+    client, bucket = s3
+
+    def slow(method, path):
+        if method == "PUT" and ".safetensors" in path:
+            time.sleep(0.3)  # the link is slower than extraction: memory fills up
+        return None
+
+    budget = 400_000  # about two of these files
+    proxy = FaultProxy(s3_endpoint, slow).start()
+    try:
+        proc = run_extract(tiny_model, dataset, f"s3://{bucket}/sp", 0, 1, "--token-budget", "256",
+                           "--spool", str(tmp_path / "s"), "--s3-endpoint", proxy.url, "--upload-from", "memory",
+                           "--upload-memory-gb", str(budget / 2**30))
+    finally:
+        proxy.stop()
+    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(proc)
+    up = summary["upload"]
+    assert 0 < up["from_memory"] < summary["files"] == up["files"], up  # both paths taken
+    assert 0 < up["max_memory_bytes"] <= budget
+    spilled = [e for e in journal_files(tmp_path / "s") if not e.get("from_memory")]
+    assert len(spilled) == summary["files"] - up["from_memory"]
+    assert not list((tmp_path / "s").rglob("*.safetensors"))  # spilled files freed once verified too
+    report = reconcile_output(S3Store(f"s3://{bucket}/sp", client=client, verify=True), ids_of(dataset), 1)
+    assert report.complete and report.duplicated == 0 and not report.corrupt_objects
+
+
+def test_upload_from_memory_failure_journals_only_what_is_stored(tmp_path, tiny_model, dataset, s3, s3_endpoint):
+    """The store refuses uploads after a few files: the shard fails naming S3; every journaled file is in
+    the store, verified (files still in memory were never journaled); a re-run finishes exactly once."""
+    client, bucket = s3
+    puts = []
+
+    def refuse_after_three(method, path):
+        if method == "PUT" and ".safetensors" in path:
+            puts.append(path)
+            return 403 if len(puts) > 3 else None
+        return None
+
+    proxy = FaultProxy(s3_endpoint, refuse_after_three).start()
+    spool = tmp_path / "s"
+    args = ("--token-budget", "256", "--spool", str(spool), "--upload-from", "memory")
+    try:
+        proc = run_extract(tiny_model, dataset, f"s3://{bucket}/f", 0, 1, *args, "--s3-endpoint", proxy.url)
+    finally:
+        proxy.stop()
+    assert proc.returncode != 0 and "upload to s3://" in proc.stderr and "AccessDenied" in proc.stderr, proc.stderr
+    journaled = journal_files(spool)
+    assert journaled, "the first files were stored"
+    for entry in journaled:
+        if entry.get("from_memory"):
+            head = client.head_object(Bucket=bucket, Key=f"f/shard-00000-of-00001/{entry['file']}")
+            assert head["Metadata"]["sha256"] == entry["sha256"] and head["ContentLength"] == entry["bytes"]
+        else:
+            assert (spool / "shard-00000-of-00001" / entry["file"]).exists()
+    again = run_extract(tiny_model, dataset, f"s3://{bucket}/f", 0, 1, *args, "--s3-endpoint", s3_endpoint)
+    assert again.returncode == 0, again.stderr
+    assert summary_of(again)["samples_written"] == len(set(dataset_ids(dataset))) - sum(len(e["ids"]) for e in journaled)
+    report = reconcile_output(S3Store(f"s3://{bucket}/f", client=client, verify=True), ids_of(dataset), 1)
+    assert report.complete and report.duplicated == 0 and not report.corrupt_objects
+
+
+def test_upload_from_memory_needs_an_s3_output(tmp_path, tiny_model, dataset):
+    proc = run_extract(tiny_model, dataset, tmp_path / "o", 0, 1, "--upload-from", "memory")
+    assert proc.returncode == 2 and "--upload-from memory" in proc.stderr and "s3://" in proc.stderr
