@@ -49,20 +49,30 @@ _RANK = {dtype: rank for rank, dtype in enumerate(DTYPE_NAMES)}
 class Payload:
     """A batch file as its safetensors header and views of the tensors' own memory: nothing is copied.
 
-    The views stay valid while `tensors` live; a writer sends `parts` to the file in order."""
+    The views stay valid while `tensors` live; a writer sends `parts` to the file in order. `sha256` is
+    None until `hash()` ran (a writer may hash several files at once on other threads: hashlib releases
+    the GIL on large buffers, and one core hashes slower than a fast disk writes)."""
 
     parts: list  # bytes (the header) and memoryviews (the tensors' data)
     size: int
-    sha256: str
+    sha256: str | None
     tensors: list = field(repr=False)
+
+    def hash(self) -> str:
+        digest = hashlib.sha256()
+        for part in self.parts:
+            digest.update(part)
+        self.sha256 = digest.hexdigest()
+        return self.sha256
 
     def tobytes(self) -> bytes:
         return b"".join(self.parts)  # one copy, made with the GIL released
 
 
-def build_payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Payload:
+def build_payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str], hashed: bool = True) -> Payload:
     """The safetensors layout of `tensors` (the layout `safetensors.torch.save` makes: data sorted by element
-    size, then dtype, then name; the header padded to 8 bytes) and its sha256, without serializing a copy."""
+    size, then dtype, then name; the header padded to 8 bytes) and, if `hashed`, its sha256, without
+    serializing a copy."""
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu" or tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name!r}: {tensor.dtype} on {tensor.device} cannot go into a batch file")
@@ -81,10 +91,10 @@ def build_payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) ->
                         separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
     parts.insert(0, len(header).to_bytes(8, "little") + header)
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)  # hashlib releases the GIL on large buffers
-    return Payload(parts, 8 + len(header) + offset, digest.hexdigest(), kept)
+    payload = Payload(parts, 8 + len(header) + offset, None, kept)
+    if hashed:
+        payload.hash()
+    return payload
 
 
 def write_batch(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> WrittenFile:
@@ -123,6 +133,8 @@ class Unsealed:
 
 def write_unsealed(path: Path, payload: Payload) -> Unsealed:
     """Copy `payload` into the page cache under a temp name (the disk catches up during `seal`)."""
+    if payload.sha256 is None:
+        raise ValueError(f"{path.name}: its payload was never hashed")
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     try:

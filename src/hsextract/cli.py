@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "straight from memory, writing to the spool only when --upload-memory-gb is full")
     ex.add_argument("--upload-memory-gb", type=float, default=8.0,
                     help="--upload-from memory: most bytes held in memory waiting for upload")
+    ex.add_argument("--hash-threads", type=int, default=0,
+                    help="batch files hashed (sha256) at once; 0: one per four cores, at most 3")
     ex.add_argument("--retry-skipped", default="", metavar="REASONS",
                     help="comma-separated skip reasons to try again (e.g. oom,nonfinite_states)")
 
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             upload=upload, s3_endpoint=args.s3_endpoint, spool_high_bytes=int(args.spool_high_gb * 2**30),
             spool_low_bytes=int(args.spool_low_gb * 2**30), upload_part_bytes=args.upload_part_mb << 20,
             upload_from=args.upload_from, upload_memory_bytes=int(args.upload_memory_gb * 2**30),
+            hash_threads=args.hash_threads,
         )
         heartbeat = Heartbeat(cfg.status_path, Progress(args.shard, args.num_shards, __version__),
                               args.heartbeat_interval)

@@ -43,6 +43,7 @@ class ExtractConfig:
     upload_part_bytes: int = 64 << 20
     upload_from: str = "disk"          # memory: straight from memory to S3, disk only when over the budget
     upload_memory_bytes: int = 8 << 30  # --upload-from memory: bytes held in memory waiting for upload
+    hash_threads: int = 0              # files hashed at once; 0: one per four cores, at most 3
 
     @property
     def shard_dir(self) -> Path:
@@ -78,6 +79,8 @@ class ExtractConfig:
             raise UsageError(f"--upload-from {self.upload_from!r}: choose disk or memory")
         if self.upload_from == "memory" and self.upload is None:
             raise UsageError("--upload-from memory: only with --out s3://bucket/prefix (a local output is the disk)")
+        if self.hash_threads < 0:
+            raise UsageError(f"--hash-threads {self.hash_threads}: must be 0 (auto) or more")
         if self.upload_memory_bytes <= 0:
             raise UsageError(f"--upload-memory-gb {self.upload_memory_bytes / 2**30:g}: must be positive")
         if self.upload_part_bytes < 5 << 20:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,7 @@ class ShardRun:
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
-        writer = BatchWriter(self, capture.device)
+        writer = BatchWriter(self, capture.device, hash_workers=cfg.hash_threads or None)
         try:
             for batch in pack(self.encoded(encoder, pending), cfg.token_budget, cfg.sort_window):
                 if self.stop_signal:
@@ -251,8 +252,9 @@ class ShardRun:
             self.progress.samples_skipped += 1
             self.progress.samples_done += int(counts_as_done)
 
-    def prepare_file(self, batch: list[Tokenized], states: dict) -> "Prepared":
-        """Name (in order), lay out and hash one batch file: CPU work, no I/O, the states not copied."""
+    def prepare_file(self, batch: list[Tokenized], states: dict, hashed: bool = True) -> "Prepared":
+        """Name (in order), lay out and (if `hashed`) hash one batch file: CPU work, no I/O, the states not
+        copied."""
         name = f"batch-{self.next_seq:06d}.safetensors"
         self.next_seq += 1
         lengths = [len(s) for s in batch]
@@ -263,7 +265,8 @@ class ShardRun:
             "cu_seqlens": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
         }
         ids = [s.id for s in batch]
-        return Prepared(name, build_payload(tensors, {**self.metadata, "sample_ids": json.dumps(ids)}), ids, lengths)
+        metadata = {**self.metadata, "sample_ids": json.dumps(ids)}
+        return Prepared(name, build_payload(tensors, metadata, hashed), ids, lengths)
 
     def write_file(self, prep: "Prepared") -> Unsealed | None:
         """Copy a prepared file into the page cache under its temp name (the disk catches up in `seal_file`);
@@ -346,21 +349,27 @@ class ShardRun:
 
 
 class BatchWriter:
-    """Three background threads between the forward loop and the disk, each stage bounded.
+    """Background threads between the forward loop and the disk, each stage bounded.
 
     The main thread only queues work: the device -> pinned host copy runs on a side stream
-    (`HostStaging`). The prepare thread waits for that copy, drops non-finite samples, lays the file out
-    and hashes it, reading the pinned buffers in place; the write thread copies file n into the page
-    cache (then frees its pinned buffers) while the seal thread fsyncs file n-1, renames and journals
-    it, in order, so the disk never waits for a copy. Every wait for room (`depth` pinned sets, one file
-    per hand-off) holds the GPU back instead of letting memory grow: the sink is the bottleneck.
+    (`HostStaging`). The prepare thread waits for that copy, drops non-finite samples and lays the file
+    out in place (reading the pinned buffers, no copy); `hash_workers` threads hash up to that many files
+    at once (one core hashes slower than a fast disk writes); the write thread takes the files in order,
+    copies file n into the page cache (then frees its pinned buffers) while the seal thread fsyncs file
+    n-1, renames and journals it, so the disk never waits for a copy or a hash. Every wait for room
+    (`depth` pinned sets, a bounded hand-off between stages) holds the GPU back instead of letting memory
+    grow: the sink is the bottleneck.
     """
 
-    def __init__(self, shard: ShardRun, device: torch.device, depth: int = 4):
+    def __init__(self, shard: ShardRun, device: torch.device, depth: int | None = None,
+                 hash_workers: int | None = None):
         self.shard = shard
+        self.hash_workers = hash_workers or default_hash_workers()
+        depth = depth or self.hash_workers + 3  # one set filling, one being laid out, hashed ones, one writing
         self.staging = HostStaging(device, depth)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.landing: queue.Queue = queue.Queue(maxsize=1)
+        self.hashing = ThreadPoolExecutor(self.hash_workers, thread_name_prefix="hsextract-hash")
+        self.landing: queue.Queue = queue.Queue(maxsize=self.hash_workers)
         self.sealing: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=target, name=f"hsextract-{target.__name__[1:]}", daemon=True)
@@ -387,24 +396,25 @@ class BatchWriter:
                     bad = states.pop(BAD_KEY).tolist()
                     batch, states = self.shard.drop_nonfinite(batch, states, bad)
                     if batch:
-                        prepared = self.shard.prepare_file(batch, states)
+                        prepared = self.shard.prepare_file(batch, states, hashed=False)
                 except BaseException as exc:
                     self._fail(exc)
             if prepared is None:
                 staged.release()
-            else:
-                self.landing.put((prepared, staged))  # the file's data is still in the staged buffers
+            else:  # the file's data is still in the staged buffers
+                self.landing.put((prepared, self.hashing.submit(prepared.payload.hash), staged))
         self.landing.put(None)
 
     def _write(self) -> None:
         while (item := self.landing.get()) is not None:
-            prepared, staged = item
+            prepared, hashed, staged = item
             unsealed = None
-            if self.error is None:
-                try:
+            try:
+                hashed.result()  # in order: a later file may be hashed first, never written first
+                if self.error is None:
                     unsealed = self.shard.write_file(prepared)
-                except BaseException as exc:
-                    self._fail(exc)
+            except BaseException as exc:
+                self._fail(exc)
             prepared.payload = None
             staged.release()  # the bytes are in the page cache: the pinned set can take the next batch
             if unsealed is not None:
@@ -426,8 +436,14 @@ class BatchWriter:
         self.queue.put(None)
         for thread in self.threads:
             thread.join()
+        self.hashing.shutdown()
         if self.error:
             raise self.error
+
+
+def default_hash_workers() -> int:
+    """Files hashed at once: one per four cores, at most 3 (about 5 GiB/s of sha256, over any disk here)."""
+    return min(3, max(1, (os.cpu_count() or 1) // 4))
 
 
 def load_tokenizer(model_dir: Path):
