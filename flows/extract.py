@@ -77,7 +77,8 @@ def default_run_name(output: str) -> str:
 
 
 def worker_args(model, data, out, layers, max_length, token_budget, device, heartbeat_s,
-                s3_endpoint: str | None = None, dtype: str = "auto", out_dtype: str = "auto") -> tuple[str, ...]:
+                s3_endpoint: str | None = None, dtype: str = "auto", out_dtype: str = "auto",
+                upload_from: str = "disk", upload_memory_gb: float = 8.0) -> tuple[str, ...]:
     args = ["--model", model, "--data", data, "--out", out, "--layers", layers,
             "--token-budget", str(token_budget), "--device", device, "--dtype", dtype, "--out-dtype", out_dtype,
             "--progress", "log",
@@ -86,6 +87,8 @@ def worker_args(model, data, out, layers, max_length, token_budget, device, hear
         args += ["--max-length", str(max_length)]
     if s3_endpoint:
         args += ["--s3-endpoint", s3_endpoint]
+    if upload_from != "disk":
+        args += ["--upload-from", upload_from, "--upload-memory-gb", f"{upload_memory_gb:g}"]
     return tuple(args)
 
 
@@ -130,7 +133,7 @@ Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
 #: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
 PARAMETERS = ("model", "data", "output", "hosts", "layers", "num_shards", "shards", "run_name", "aws_credentials",
-              "max_length", "dtype", "out_dtype", "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s",
+              "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb", "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s",
               "stall_timeout_s", "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts",
               "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s")
 
@@ -149,6 +152,8 @@ def extract(
     max_length: Positive | None = None,
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
     out_dtype: Literal["auto", "fp8_e4m3"] = "auto",
+    upload_from: Literal["disk", "memory"] = "disk",
+    upload_memory_gb: Annotated[float, Field(gt=0)] = 8.0,
     token_budget: Positive = 8192,
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto",
     heartbeat_interval_s: Seconds = 2.0,
@@ -179,6 +184,9 @@ def extract(
     inventory = resolve_inventory(hosts)
     out_dir = local_output(output)
     upload = out_dir is None
+    if upload_from == "memory" and not upload:
+        raise ValueError(f"upload_from='memory' needs an s3:// output, not output={output!r}: files go from "
+                         f"memory straight to the store, so there is nothing to upload to on a local path")
     access = load_access(aws_credentials)  # fails here, before any launch, on a missing or bad block
     slots = inventory.slots
     num_shards = params["num_shards"] = num_shards or len(slots)
@@ -219,7 +227,8 @@ def extract(
         healthy, host_failures = deploy_hosts(inventory, bundle, worker_version()) if todo else (set(), {})
         failures.update(host_failures)
         args = worker_args(model, data, output if upload else out_dir, layers, max_length, token_budget, device,
-                           heartbeat_interval_s, access.endpoint_url if upload else None, dtype, out_dtype)
+                           heartbeat_interval_s, access.endpoint_url if upload else None, dtype, out_dtype,
+                           upload_from, upload_memory_gb)
         env = (("AWS_DEFAULT_REGION", access.region),) if upload and access.region else ()
 
         def job_on(slot: tuple[str, int], shard: int) -> ShardJob:

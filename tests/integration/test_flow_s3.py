@@ -102,7 +102,7 @@ def test_s3_run_seals_streams_back_and_never_leaks_the_keys(farm, tiny_model, s3
     hosts = write_inventory(tmp_path / "hosts.yaml", [ssh_host_entry(farm.host("lo"), workdir)])
     output = f"s3://{bucket}/runs/qwen"
     kwargs = dict(model=str(tiny_model), data=str(data), output=output, hosts=str(hosts), layers="1,3",
-                  token_budget=512, run_name="s3run", aws_credentials=name, **FAST)
+                  token_budget=512, run_name="s3run", aws_credentials=name, upload_from="memory", **FAST)
     with Watch(secrets, workdir) as watch:
         state = extract(return_state=True, **kwargs)
     assert state.is_completed(), state.message
@@ -111,6 +111,10 @@ def test_s3_run_seals_streams_back_and_never_leaks_the_keys(farm, tiny_model, s3
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="runs/qwen/")["Contents"]}
     assert {f"runs/qwen/{SUCCESS_NAME}", f"runs/qwen/{INDEX_NAME}"} <= keys
     assert not list(workdir.rglob("*.safetensors")), "every local copy freed after its verification"
+    mirrored = [json.loads(l) for shard in (0, 1) for l in client.get_object(
+        Bucket=bucket, Key=f"runs/qwen/shard-{shard:05d}-of-00002/journal.jsonl")["Body"].read().decode().splitlines()]
+    files = [e for e in mirrored if e["kind"] == "file"]
+    assert files and all(e["from_memory"] for e in files), "upload_from='memory' reached the workers"
 
     # the reader streams the same dataset back from the bucket, each sample exactly once
     ids = Counter(s["id"] for s in hsextract.read_samples(output, verify=True, client=client))
@@ -161,4 +165,15 @@ def test_missing_credentials_block_fails_before_any_launch(prefect_server, tmp_p
     assert state.is_failed()
     message = str(pytest.raises(Exception, state.result).value)
     assert "aws_credentials='no-such-block'" in message and "no AwsCredentials or S3Bucket block" in message
+    assert not (tmp_path / "w").exists(), "nothing was deployed"
+
+
+def test_upload_from_memory_with_a_local_output_fails_before_any_launch(prefect_server, tmp_path):
+    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0],
+                                                       "workdir": str(tmp_path / "w"), "python": "python3"}])
+    state = extract(return_state=True, model="m", data="d", output=str(tmp_path / "out"), hosts=str(hosts),
+                    upload_from="memory", **FAST)
+    assert state.is_failed()
+    message = str(pytest.raises(Exception, state.result).value)
+    assert "upload_from='memory' needs an s3:// output" in message and str(tmp_path / "out") in message
     assert not (tmp_path / "w").exists(), "nothing was deployed"
