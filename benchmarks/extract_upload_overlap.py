@@ -11,7 +11,9 @@ The endpoint is moto's server in its own process on a free loopback port (a real
   2. upload alone: the files of run 1 sent by the worker's own BackgroundUploader, all submitted at once
      (the same uploader with no extraction beside it);
   3. extract+upload: the worker CLI with --out s3://, the background uploader overlapping extraction.
-All three are whole-process wall times, repeated and interleaved (drift on a shared machine hits every
+  4. the same with --upload-from memory: files go from memory to the store, the spool only as overflow
+     (the summary says how many files went from memory and the most bytes held).
+All four are whole-process wall times, repeated and interleaved (drift on a shared machine hits every
 run alike); ratios are of the medians, for whole processes and without the worker's start-up (imports,
 model load: the same in every run, before any file exists, so no uploader can overlap it; on a real run
 it is a minute against hours). Two links:
@@ -69,7 +71,8 @@ def measure(name: str, endpoint: str, common: tuple, work: Path, repeats: int) -
     """Per repeat: whole-process walls (`alone`, `upload`, `both`) and the same without the worker's
     start-up (`alone_loop`: the forward loop; `both_loop`: the forward loop + waiting for the last uploads)."""
     client = s3_client(endpoint)
-    r: dict[str, list[float]] = {k: [] for k in ("alone", "upload", "both", "alone_loop", "both_loop")}
+    r: dict[str, list[float]] = {k: [] for k in ("alone", "upload", "both", "alone_loop", "both_loop", "mem",
+                                                  "mem_loop", "mem_files", "mem_max_mib")}
     for rep in range(repeats):
         local = work / f"{name}-local-{rep}"
         wall, summary = cli("extract", *common, "--out", str(local))
@@ -88,6 +91,13 @@ def measure(name: str, endpoint: str, common: tuple, work: Path, repeats: int) -
                             str(work / f"{name}-spool-{rep}"), "--s3-endpoint", endpoint, "--upload-part-mb", "8")
         r["both"].append(wall)
         r["both_loop"].append(summary["extract_s"] + summary["upload"]["drain_s"])
+        wall, summary = cli("extract", *common, "--out", f"s3://overlap/{name}-mem-{rep}", "--spool",
+                            str(work / f"{name}-mspool-{rep}"), "--s3-endpoint", endpoint, "--upload-part-mb", "8",
+                            "--upload-from", "memory", "--upload-memory-gb", "1")
+        r["mem"].append(wall)
+        r["mem_loop"].append(summary["extract_s"] + summary["upload"]["drain_s"])
+        r["mem_files"].append(summary["upload"]["from_memory"] / summary["files"])
+        r["mem_max_mib"].append(summary["upload"]["max_memory_bytes"] / 2**20)
     return r
 
 
@@ -145,11 +155,16 @@ def main() -> None:
         print(f"  upload alone (same uploader):  {runs(r['upload'])}")
         print(f"  extract + upload (--out s3://): {runs(r['both'])}")
         print(f"    forward loop + last uploads:  {runs(r['both_loop'])}")
+        print(f"  same, --upload-from memory:     {runs(r['mem'])}")
+        print(f"    forward loop + last uploads:  {runs(r['mem_loop'])}")
+        print(f"    files from memory: {statistics.median(r['mem_files']):.0%}, most held "
+              f"{max(r['mem_max_mib']):.0f} MiB (budget 1024)")
         serial = (med["alone_loop"] + med["upload"]) / max(med["alone_loop"], med["upload"])
         print(f"  whole processes: ratio to max(extract, upload) {med['both'] / max(med['alone'], med['upload']):.2f}")
         print(f"  without start-up: ratio to max(extract, upload) "
               f"{med['both_loop'] / max(med['alone_loop'], med['upload']):.2f}   goal <= 1.1 "
-              f"(one after the other: {serial:.2f})")
+              f"(one after the other: {serial:.2f}); from memory "
+              f"{med['mem_loop'] / max(med['alone_loop'], med['upload']):.2f}")
 
 if __name__ == "__main__":
     main()

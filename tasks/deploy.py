@@ -67,8 +67,8 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
     env = host.run(env_check_cmd(python, host.spec.workdir, bundle.sha256), timeout)
     line = next((l for l in env.stdout.splitlines() if l.startswith("ENV ")), None)
     if not env.ok or line is None:
-        raise DeployFailed(f"the host's python cannot import the worker's packages (torch, transformers, "
-                           f"safetensors); " + env.describe())
+        raise DeployFailed("the host's python cannot import the worker's packages (torch, transformers, "
+                           "safetensors); " + env.describe())
     return Deployed(host.name, bundle.sha256, version, line[4:], skipped, round(time.monotonic() - started, 3))
 
 

@@ -15,7 +15,7 @@ from tasks.bundle import build_bundle
 from tasks.deploy import DeployFailed, deploy_host
 from tasks.hosts import HostError, SshHost, connect
 from tasks.inventory import parse_inventory
-from tasks.shards import Policy, ShardFailed, ShardJob, launch_shard, supervise_shard
+from tasks.shards import Policy, ShardFailed, ShardJob, launch_shard, probe, supervise_shard
 
 from helpers import ssh_host_entry, write_inventory
 
@@ -100,8 +100,7 @@ def run_then(env, host_name, action, policy=FAST, run="x"):
     with open_host(env, host_name) as host:
         launched = launch_shard(host, job, policy)
         deadline = time.monotonic() + 60
-        while (supervise_probe := __import__("tasks.shards", fromlist=["probe"]).probe(host, job, 5)).heartbeat.get(
-                "phase") != "extracting":
+        while probe(host, job, 5).heartbeat.get("phase") != "extracting":
             assert time.monotonic() < deadline
             time.sleep(0.2)
         action(host, launched)
