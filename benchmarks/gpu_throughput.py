@@ -256,6 +256,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="where files go (default: a temp dir); the sink")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--fp8", action="store_true", help="also run the worker with --out-dtype fp8_e4m3")
+    ap.add_argument("--worker-only", action="store_true",
+                    help="only the worker (and with --fp8 its fp8 run): summaries, steady state, stage timings")
     ap.add_argument("--oom-budget", type=int, default=0,
                     help="also run the worker with this huge token budget: it must split batches on CUDA OOM")
     args = ap.parse_args()
@@ -269,6 +271,14 @@ def main() -> int:
     print(f"model + data built in {time.perf_counter() - started:.0f}s: {args.model_layers} layers, capture "
           f"{layer_ids}, {args.samples} samples, {sum(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]},"
           f" max {max(lengths)}), {width * 2} bytes/token, token budget {args.token_budget}", flush=True)
+    if args.worker_only:
+        for extra in ((), ("--out-dtype", "fp8_e4m3"))[:2 if args.fp8 else 1]:
+            summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, *extra)
+            print(f"worker {' '.join(extra) or 'bf16'}: {summary['tokens_per_s']:,.0f} tok/s over "
+                  f"{summary['extract_s']} s, steady {steady_state(out):,.0f}, {summary['files']} files, "
+                  f"{summary['bytes'] / 2**30:.2f} GiB; pipeline {summary.get('pipeline')}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+        return 0
     packed = batches(work / "data.jsonl", args.token_budget)
     real = sum(len(s) for b in packed for s in b)
     padded = sum(padded_tokens(b) for b in packed)
@@ -285,7 +295,7 @@ def main() -> int:
     steady_tps = steady_state(out)
     shutil.rmtree(out, ignore_errors=True)
     print(f"worker {worker_tps:,.0f} tok/s (steady {steady_tps:,.0f}), padding waste {summary.get('padding_waste')},"
-          f" peak GPU {summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB", flush=True)
+          f" peak GPU {summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB; pipeline {summary.get('pipeline')}", flush=True)
     fp8 = None
     if args.fp8:
         disk8 = sink(out.parent / "sink", packed, fp8_bytes, ours=False)
@@ -295,7 +305,8 @@ def main() -> int:
         fp8["ceiling"] = min(bare_tps, raw8_tps)
         shutil.rmtree(out, ignore_errors=True)
         print(f"fp8: sink {', '.join(f'{k} {v / 2**30:.3f} GiB/s' for k, v in disk8.items())}; worker "
-              f"{fp8['tokens_per_s']:,.0f} tok/s (steady {fp8['steady']:,.0f})", flush=True)
+              f"{fp8['tokens_per_s']:,.0f} tok/s (steady {fp8['steady']:,.0f}); pipeline {fp8.get('pipeline')}",
+              flush=True)
     oom = None
     if args.oom_budget:
         oom = worker(model_dir, work / "data.jsonl", out, args.layers, args.oom_budget)

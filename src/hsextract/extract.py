@@ -66,6 +66,7 @@ class ShardRun:
         self.uploader = None  # BackgroundUploader when the output is s3://
         self.extract_ended: float | None = None
         self.drain_s = 0.0  # waiting for the uploader after the last batch
+        self.pipeline: dict = {}  # BatchWriter.timings() of the extraction loop
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
@@ -130,8 +131,11 @@ class ShardRun:
                 for part, states in self.forward(capture, batch):
                     writer.put(part, states)
         finally:
-            writer.close()
-            self.extract_ended = time.time()
+            try:
+                writer.close()
+            finally:
+                self.extract_ended = time.time()
+                self.pipeline = writer.timings()
         if self.stop_signal:
             raise Interrupted(self.stop_signal)
         return self.finish()
@@ -345,6 +349,7 @@ class ShardRun:
                            "max_spool_bytes": self.uploader.spool.max_pending,
                            "from_memory": self.uploader.files_from_memory,
                            "max_memory_bytes": self.uploader.max_in_memory}} if self.uploader else {}),
+            **({"pipeline": self.pipeline} if self.pipeline else {}),
         }
 
 
@@ -359,6 +364,10 @@ class BatchWriter:
     n-1, renames and journals it, so the disk never waits for a copy or a hash. Every wait for room
     (`depth` pinned sets, a bounded hand-off between stages) holds the GPU back instead of letting memory
     grow: the sink is the bottleneck.
+
+    `timings()` says where the time went (seconds, summed over a stage's threads): `held_s` the forward
+    loop waited for room (the sink behind), `copy_wait_s` the prepare thread waited for a device copy,
+    then each stage's busy time, and `first_file_s` from the start to the first file sealed.
     """
 
     def __init__(self, shard: ShardRun, device: torch.device, depth: int | None = None,
@@ -372,6 +381,10 @@ class BatchWriter:
         self.landing: queue.Queue = queue.Queue(maxsize=self.hash_workers)
         self.sealing: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.first_sealed: float | None = None
+        self.spent: Counter = Counter()
+        self._spent_lock = threading.Lock()
         self.threads = [threading.Thread(target=target, name=f"hsextract-{target.__name__[1:]}", daemon=True)
                         for target in (self._prepare, self._write, self._seal)]
         for thread in self.threads:
@@ -381,7 +394,24 @@ class BatchWriter:
         if self.error:
             raise self.error
         if batch:
+            started = time.monotonic()
             self.queue.put((batch, self.staging.stage(states)))
+            self._spend("held_s", started)
+
+    def _spend(self, stage: str, started: float) -> None:
+        with self._spent_lock:
+            self.spent[stage] += time.monotonic() - started
+
+    def _hash(self, payload: Payload) -> None:
+        started = time.monotonic()
+        payload.hash()
+        self._spend("hash_s", started)
+
+    def timings(self) -> dict:
+        out = {k: round(v, 3) for k, v in sorted(self.spent.items())}
+        if self.first_sealed is not None:
+            out["first_file_s"] = round(self.first_sealed - self.started, 3)
+        return out
 
     def _fail(self, exc: BaseException) -> None:
         self.error = self.error or exc  # surfaced on the main thread at the next put/close
@@ -392,17 +422,21 @@ class BatchWriter:
             prepared = None
             if self.error is None:
                 try:
+                    started = time.monotonic()
                     states = dict(staged.wait())
+                    self._spend("copy_wait_s", started)
+                    started = time.monotonic()
                     bad = states.pop(BAD_KEY).tolist()
                     batch, states = self.shard.drop_nonfinite(batch, states, bad)
                     if batch:
                         prepared = self.shard.prepare_file(batch, states, hashed=False)
+                    self._spend("prepare_s", started)
                 except BaseException as exc:
                     self._fail(exc)
             if prepared is None:
                 staged.release()
             else:  # the file's data is still in the staged buffers
-                self.landing.put((prepared, self.hashing.submit(prepared.payload.hash), staged))
+                self.landing.put((prepared, self.hashing.submit(self._hash, prepared.payload), staged))
         self.landing.put(None)
 
     def _write(self) -> None:
@@ -412,7 +446,9 @@ class BatchWriter:
             try:
                 hashed.result()  # in order: a later file may be hashed first, never written first
                 if self.error is None:
+                    started = time.monotonic()
                     unsealed = self.shard.write_file(prepared)
+                    self._spend("write_s", started)
             except BaseException as exc:
                 self._fail(exc)
             prepared.payload = None
@@ -428,7 +464,10 @@ class BatchWriter:
                 unsealed.abandon()
                 continue
             try:
+                started = time.monotonic()
                 self.shard.seal_file(prepared, unsealed)
+                self._spend("seal_s", started)
+                self.first_sealed = self.first_sealed or time.monotonic()
             except BaseException as exc:
                 self._fail(exc)
 

@@ -119,8 +119,9 @@ def upload_verified(client, path: Path | bytes, bucket: str, key: str, journal_s
     where = where or str(path)
     full, parts, size = local_digests(path, part_size)
     if full != journal_sha256 or size != journal_bytes:
+        said = "it was laid out as" if in_memory else "the journal wrote"
         raise CorruptFile(f"{where}: {'in memory' if in_memory else 'on disk'} sha256 {full} / {size} bytes, but "
-                          f"it was written as {journal_sha256} / {journal_bytes}: not uploaded")
+                          f"{said} {journal_sha256} / {journal_bytes}: not uploaded")
     multipart = size >= part_size
     if multipart:
         extra = {"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": full}}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import hsextract
 from hsextract.liveness import EXIT_NAME, HEARTBEAT_NAME
 
-from helpers import extract_cmd, run_extract
+from helpers import extract_cmd, run_extract, summary_of
 
 
 def test_version():
@@ -132,6 +132,9 @@ def test_files_hashed_in_parallel_are_written_in_order_and_identical(tiny_model,
         out = tmp_path / f"h{threads}"
         proc = run_extract(tiny_model, dataset, out, 0, 1, "--token-budget", "64", "--hash-threads", str(threads))
         assert proc.returncode == 0, proc.stderr
+        timings = summary_of(proc)["pipeline"]  # where the writer's time went
+        assert {"held_s", "copy_wait_s", "prepare_s", "hash_s", "write_s", "seal_s", "first_file_s"} <= set(timings)
+        assert timings["hash_s"] > 0 and timings["seal_s"] > 0
         shard = out / "shard-00000-of-00001"
         entries = [json.loads(l) for l in (shard / "journal.jsonl").read_text().splitlines() if '"kind":"file"' in l]
         assert [e["file"] for e in entries] == [f"batch-{n:06d}.safetensors" for n in range(1, len(entries) + 1)]
