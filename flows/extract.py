@@ -133,9 +133,9 @@ Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
 #: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
 PARAMETERS = ("model", "data", "output", "hosts", "layers", "num_shards", "shards", "run_name", "aws_credentials",
-              "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb", "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s",
-              "stall_timeout_s", "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts",
-              "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s")
+              "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb", "token_budget", "device",
+              "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s", "poll_interval_s", "host_timeout_s",
+              "verify_checksums", "max_attempts", "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s")
 
 
 @flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -174,10 +175,15 @@ class SshHost(Host):
         def go(conn):
             from invoke.exceptions import CommandTimedOut
 
+            started = time.monotonic()
             try:
                 r = conn.run(wrapped, hide=True, warn=True, timeout=timeout, in_stream=False, pty=False)
             except CommandTimedOut:
                 raise TimeoutError(f"command still running after {timeout:.0f}s") from None
+            if r.exited == -1 and time.monotonic() - started >= timeout:
+                # invoke's timer closes the channel and only then finishes: a caller that sees the closed channel
+                # first gets "no exit status" (-1), not CommandTimedOut. Past the deadline, it is the timeout.
+                raise TimeoutError(f"command still running after {timeout:.0f}s")
             return Result(self.name, command, r.exited, r.stdout, r.stderr)
 
         return self._guarded(command, self.timeouts.connect_s + timeout, go)

@@ -64,20 +64,11 @@ def s3_client(endpoint_url: str | None = None, attempts: int = 8, **kwargs):
 def local_digests(source: Path | bytes, part_size: int) -> tuple[str, list[bytes], int]:
     """(hex sha256 of the file or bytes, raw sha256 of each `part_size` part, size), reading it once."""
     whole, parts, size = hashlib.sha256(), [], 0
-    if isinstance(source, Path):
-        with source.open("rb") as handle:
-            chunks = iter(lambda: handle.read(part_size), b"")
-            for chunk in chunks:
-                whole.update(chunk)
-                parts.append(hashlib.sha256(chunk).digest())
-                size += len(chunk)
-    else:
-        view = memoryview(source)
-        for start in range(0, len(view), part_size):
-            chunk = view[start:start + part_size]
+    with source.open("rb") if isinstance(source, Path) else io.BytesIO(source) as handle:
+        while chunk := handle.read(part_size):
             whole.update(chunk)
             parts.append(hashlib.sha256(chunk).digest())
-        size = len(view)
+            size += len(chunk)
     return whole.hexdigest(), parts, size
 
 
@@ -286,12 +277,10 @@ class BackgroundUploader:
                 self._in_flight += 1
             try:
                 path = self.shard_dir / entry["file"]
-                if data is None:
-                    upload_verified(self.client, path, self.bucket, self.key(entry["file"]), entry["sha256"],
-                                    entry["bytes"], self.part_size, self.concurrency, transfer=self.transfer)
-                else:
-                    upload_verified(self.client, data, self.bucket, self.key(entry["file"]), entry["sha256"],
-                                    entry["bytes"], self.part_size, self.concurrency, where=f"{path} (in memory)")
+                upload_verified(self.client, path if data is None else data, self.bucket, self.key(entry["file"]),
+                                entry["sha256"], entry["bytes"], self.part_size, self.concurrency,
+                                transfer=self.transfer, where=None if data is None else f"{path} (in memory)")
+                if on_stored is not None:
                     on_stored(entry)  # journaled now that the store holds it, verified
                 with self._lock:
                     self.uploaded.add(entry["file"])

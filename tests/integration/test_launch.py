@@ -179,6 +179,19 @@ def test_unknown_host_key_refused_unless_opted_in(env, farm, tmp_path):
         assert host.run("echo hi", 5).stdout == "hi\n"
 
 
+def test_command_past_its_timeout_is_a_timeout_and_the_host_still_answers(env):
+    # invoke's timer may let the run return "no exit status" (-1) instead of CommandTimedOut: either way the
+    # caller is told the command was still running, never that it exited.
+    with open_host(env, "h1") as host:
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(HostError) as err:
+                host.run("sleep 30", 1)
+            assert "still running after 1s" in str(err.value) and "sleep 30" in str(err.value), err.value
+            assert err.value.transient and time.monotonic() - started < 10
+        assert host.run("echo back", 5).stdout == "back\n"
+
+
 def test_deploy_failures_name_host_and_cause(env, farm, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -370,8 +370,10 @@ def test_command_timed_out(sshd):
     conn = fabric_conn(sshd)
     e = raised(lambda: conn.run("hang", hide=True, in_stream=False, timeout=0.5))
     conn.close()
-    # Observed: CommandTimedOut "Command did not complete within 0.5 seconds!"
-    assert isinstance(e, CommandTimedOut)
+    # Observed: CommandTimedOut "Command did not complete within 0.5 seconds!". On a loaded machine invoke's timer
+    # thread can still be alive when the run sees the channel it closed: UnexpectedExit with exited -1 then (seen
+    # in CI). tasks.hosts turns both into "still running after"; here both must read as transient.
+    assert isinstance(e, CommandTimedOut) or (isinstance(e, UnexpectedExit) and e.result.exited == -1), repr(e)
     assert both(e) == (True, True)
 
 
