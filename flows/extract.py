@@ -117,7 +117,11 @@ def _done_in_store(output: str, client, num_shards: int) -> set[int]:
         try:
             body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            code = exc.response.get("Error", {}).get("Code")
+            if code == "NoSuchBucket":  # a definite answer: no worker could store anything there
+                raise ValueError(f"output={output!r}: the bucket {bucket!r} does not exist (NoSuchBucket from "
+                                 f"{client.meta.endpoint_url}): create it, or fix the output") from None
+            if code in ("NoSuchKey", "404"):
                 continue
             raise
         if _ends_done(body):
@@ -199,6 +203,8 @@ def extract(
     if shards is None:
         try:
             already = _done_in_store(output, client, num_shards) if upload else _done_locally(out_dir, num_shards)
+        except ValueError:
+            raise
         except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
             log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
                         "each skips what its journal already holds", run, output, exc)
@@ -211,7 +217,8 @@ def extract(
     log.info("run %s: %d shard(s) requested, %d already complete, %d at the attempt cap, %d GPU slot(s) on "
              "%d host(s)", run, len(requested), len(already), len(capped), len(slots), len(inventory.hosts))
     policy = Policy(launch_timeout_s=launch_timeout_s, poll_interval_s=poll_interval_s,
-                    stall_timeout_s=stall_timeout_s, host_timeout_s=host_timeout_s)
+                    stall_timeout_s=stall_timeout_s, host_timeout_s=host_timeout_s,
+                    command_timeout_s=min(Policy.command_timeout_s, host_timeout_s))  # a probe waits no longer
 
     failures: dict[str, str] = {}
     with board:

@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from .bundle import Bundle
-from .commands import bundle_dir, check_bundle_cmd, env_check_cmd, unpack_bundle_cmd
+from .commands import bundle_dir, check_bundle_cmd, env_check_cmd, q, unpack_bundle_cmd
 from .hosts import Host, HostError, connect
 from .inventory import Inventory
 from .transient import is_transient
@@ -41,6 +41,16 @@ def _proof(host: Host, digest: str, python: str, expect_version: str, timeout: f
     return proved, result
 
 
+def _free_space(host: Host, path: str) -> str:
+    """'; <N> KiB free on the disk of <path>' (SFTP says only "Failure" when the host's disk is full)."""
+    try:
+        result = host.run(f"p={q(path)}; while [ ! -d \"$p\" ]; do p=$(dirname \"$p\"); done; df -Pk \"$p\"", 10)
+        fields = result.stdout.strip().splitlines()[-1].split()
+        return f"; {int(fields[3]):,} KiB free on the disk of {path} ({fields[5]})" if result.ok else ""
+    except (HostError, IndexError, ValueError):
+        return ""
+
+
 def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0) -> Deployed:
     started = time.monotonic()
     python = host.spec.python
@@ -51,8 +61,8 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
         try:
             host.put(bundle.data, tarball, timeout, mode=0o640)
         except HostError as exc:
-            raise DeployFailed(f"host {host.name}: uploading the bundle to {tarball} failed: {exc.reason}",
-                               exc.transient) from None
+            raise DeployFailed(f"host {host.name}: uploading the bundle ({len(bundle.data):,} bytes) to {tarball} "
+                               f"failed: {exc.reason}{_free_space(host, host.spec.workdir)}", exc.transient) from None
         unpacked = host.run(unpack_bundle_cmd(host.spec.workdir, bundle.sha256), timeout)
         if not unpacked.stdout.startswith(f"SHA256 {bundle.sha256}\n") or not unpacked.ok:
             raise DeployFailed(f"wrong bundle hash or unpack failed (expected sha256 {bundle.sha256}); "

@@ -180,13 +180,21 @@ class SshHost(Host):
                 r = conn.run(wrapped, hide=True, warn=True, timeout=timeout, in_stream=False, pty=False)
             except CommandTimedOut:
                 raise TimeoutError(f"command still running after {timeout:.0f}s") from None
-            if r.exited == -1 and time.monotonic() - started >= timeout:
-                # invoke's timer closes the channel and only then finishes: a caller that sees the closed channel
-                # first gets "no exit status" (-1), not CommandTimedOut. Past the deadline, it is the timeout.
-                raise TimeoutError(f"command still running after {timeout:.0f}s")
+            if r.exited == -1:  # no exit status: the channel closed under the command; what it printed is partial
+                if time.monotonic() - started >= timeout:
+                    # invoke's timer closes the channel, then finishes: a caller that sees the closed channel
+                    # first gets -1, not CommandTimedOut. Past the deadline, it is the timeout.
+                    raise TimeoutError(f"command still running after {timeout:.0f}s")
+                raise ConnectionResetError(f"the connection dropped before the command exited (no exit status; "
+                                           f"it had printed {len(r.stdout)} bytes)")
             return Result(self.name, command, r.exited, r.stdout, r.stderr)
 
-        return self._guarded(command, self.timeouts.connect_s + timeout, go)
+        return self._guarded(command, self._setup_s() + timeout, go)
+
+    def _setup_s(self) -> float:
+        """Time allowed before a command starts: a connection to make, or only a channel on a live one (so a
+        link that dies under a live connection is noticed about `timeout` after, not `connect_s` later)."""
+        return 1.0 if self._conn is not None and self._conn.is_connected else self.timeouts.connect_s
 
     def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # unique per call: concurrent puts of one path

@@ -122,7 +122,12 @@ def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
     first, _, rest = result.stdout.partition("\n")
     words = first.split()
     if not result.ok or len(words) < 2 or words[0] not in ("LAUNCHED", "ADOPT") or not words[1].isdigit():
-        what = "launch printed nothing" if not (result.stdout + result.stderr).strip() else "launch failed"
+        said = (result.stdout + result.stderr).strip()
+        what = ("launch printed nothing" if not said else
+                f"launch failed: cannot create the worker log {job.ctrl}/worker.log (not a writable file)"
+                if said.startswith("LOG UNWRITABLE") else
+                "launch failed: another launch of this shard held its launch lock for 30s"
+                if said.startswith("LOCK BUSY") else "launch failed")
         raise _failure(job, what, result=result)
     # no start time: the process was gone before the launcher could read /proc; the probe says why
     pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"

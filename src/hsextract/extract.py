@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .batchfile import Payload, Unsealed, build_payload, write_unsealed
+from .batchfile import Payload, Unsealed, build_payload, sha256_file, write_unsealed
 from .batching import pack, padded_tokens
 from .capture import LayerCapture, read_model_info, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
@@ -152,13 +152,27 @@ class ShardRun:
 
     def resume_uploads(self) -> None:
         """Journaled files still on local disk were not verified in the store yet: send them first.
-        Journaled files that are gone were deleted after their verification: they are in the store."""
-        for entry in read_entries(self.cfg.shard_dir / "journal.jsonl"):
-            if entry.get("kind") == "file":
-                if (self.cfg.shard_dir / entry["file"]).exists():
-                    self.uploader.submit(entry)
-                else:
-                    self.uploader.uploaded.add(entry["file"])
+        Journaled files that are gone were deleted after their verification: they are in the store.
+        A waiting file that no longer matches its journal entry (the disk or someone altered it) can never
+        be uploaded: it is journaled `lost` and deleted, so this run extracts its samples again."""
+        entries = list(read_entries(self.cfg.shard_dir / "journal.jsonl"))
+        lost = {e["file"] for e in entries if e.get("kind") == "lost"}
+        for entry in entries:
+            if entry.get("kind") != "file" or entry["file"] in lost:
+                continue
+            path = self.cfg.shard_dir / entry["file"]
+            if not path.exists():
+                self.uploader.uploaded.add(entry["file"])
+                continue
+            size, digest = path.stat().st_size, sha256_file(path)
+            if (size, digest) == (entry["bytes"], entry["sha256"]):
+                self.uploader.submit(entry)
+                continue
+            why = (f"waiting for upload, {path} holds sha256 {digest} / {size} bytes, but the journal wrote "
+                   f"{entry['sha256']} / {entry['bytes']}: deleted, its {len(entry['ids'])} sample(s) redone")
+            self.journal.append({"kind": "lost", "file": entry["file"], "why": why}, durable=True)
+            path.unlink()
+            print(f"hsextract: shard {self.cfg.shard}/{self.cfg.num_shards}: {why}", file=sys.stderr, flush=True)
 
     def pending_records(self) -> list[Record | Bad]:
         """This shard's records not yet written or skipped by any run; records duplicates as skipped."""

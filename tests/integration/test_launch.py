@@ -90,7 +90,7 @@ def test_failed_launch_is_fast_and_says_why(env, case, tmp_path):
     expect = {"exit0_silent": "exited at once, printing no STARTED line",
               "interpreter_missing": "/nonexistent/bin/python3",
               "dies_at_import": "broken on purpose",
-              "log_unwritable": "LOG UNWRITABLE"}[case]
+              "log_unwritable": "cannot create the worker log"}[case]
     assert expect in message, message
 
 

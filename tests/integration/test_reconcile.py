@@ -16,14 +16,20 @@ from hsextract.reader import read_samples
 from hsextract.sharding import shard_of
 
 
-@pytest.fixture
-def output(tmp_path, tiny_model, dataset):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, tiny_model, dataset):
+    """One real two-shard run, made once: each test alters its own copy."""
+    out = tmp_path_factory.mktemp("reconcile") / "out"
     for shard in range(2):
         proc = run_extract(tiny_model, dataset, out, shard, 2, "--token-budget", "256")
         assert proc.returncode == 0, proc.stderr
         summary_of(proc)
     return out
+
+
+@pytest.fixture
+def output(extracted, tmp_path):
+    return shutil.copytree(extracted, tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
 
 
 def test_complete_run_is_indexed_and_sealed_once(output, dataset):

@@ -71,7 +71,26 @@ def test_upload_errors_past_retries_fail_the_shard_naming_s3(tmp_path, tiny_mode
         proxy.stop()
     assert proc.returncode != 0
     assert "upload to s3://" in proc.stderr and "InternalError" in proc.stderr
-    assert list((tmp_path / "s").rglob("*.safetensors"))  # nothing lost: the files wait for the next run
+    waiting = sorted((tmp_path / "s").rglob("*.safetensors"))
+    assert waiting, proc.stderr  # nothing lost: the files wait for the next run
+
+    # one waiting file is altered on disk: the next run cannot upload it, so it redoes its samples instead
+    victim = waiting[0]
+    data = bytearray(victim.read_bytes())
+    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
+    victim.write_bytes(bytes(data))
+    again = run_extract(tiny_model, dataset, f"s3://{bucket}/e", 0, 1, "--token-budget", "256",
+                        "--spool", str(tmp_path / "s"), "--s3-endpoint", s3_endpoint)
+    assert again.returncode == 0, again.stderr
+    assert f"{victim.name} holds sha256" in again.stderr and "sample(s) redone" in again.stderr, again.stderr
+    entries = [json.loads(l) for l in (victim.parent / "journal.jsonl").read_text().splitlines()]
+    assert [e["file"] for e in entries if e["kind"] == "lost"] == [victim.name]
+    redone = next(len(e["ids"]) for e in entries if e["kind"] == "file" and e["file"] == victim.name)
+    assert summary_of(again)["samples_written"] == redone, (redone, again.stdout)
+    import hsextract
+
+    ids = sorted(s["id"] for s in hsextract.read_samples(f"s3://{bucket}/e", verify=True, client=s3[0]))
+    assert ids == sorted(dataset_ids(dataset))
 
 
 def test_a_retraction_in_the_store_reaches_a_host_whose_journal_is_ahead(tmp_path, s3):
