@@ -39,8 +39,6 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "src")]
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 from helpers import ssh_host_entry, write_inventory  # noqa: E402
 
@@ -646,6 +644,30 @@ def bad_lines(lab: Lab, case: Case) -> Outcome:
                        case.local_out(), note="over-long one truncated to 128 tokens")
 
 
+def secrets_at_rest(lab: Lab, case: Case) -> Outcome:
+    """Every key the storage rows handed out, grepped for in every file the matrix produced (hosts' workdirs,
+    outputs, logs) and in everything the Prefect server kept (logs, artifacts, task and flow run states)."""
+    from prefect.client.orchestration import get_client
+
+    if not lab.secrets:
+        return Outcome("Completed", note="no storage row ran: no secret to look for")
+    hits = []
+    for path in lab.work.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            hits += [f"{path}" for secret in lab.secrets if secret.encode() in data]
+    with get_client(sync_client=True) as client:
+        texts = [log.message for log in client.read_logs()]
+        texts += [json.dumps(a.data, default=str) + (a.description or "") for a in client.read_artifacts()]
+        texts += [f"{t.name} {t.state.message if t.state else ''}" for t in client.read_task_runs()]
+        texts += [json.dumps(f.parameters, default=str) + (f.state.message if f.state else "")
+                  for f in client.read_flow_runs()]
+    hits += [f"prefect record {text[:60]!r}" for text in texts for secret in lab.secrets if secret in text]
+    files = sum(1 for p in lab.work.rglob("*") if p.is_file())
+    return Outcome("Failed: " + "; ".join(hits[:5]) if hits else "Completed", rerun="-",
+                   note=f"{len(lab.secrets)} secrets, {files} files and {len(texts)} Prefect records searched")
+
+
 ROWS = [
     Row("baseline", "clean", "no fault: two hosts, two shards", "Completed", (), clean_run),
     Row("deploy", "put_fails", "workdir's parent is a file: the bundle put fails", "Failed",
@@ -696,6 +718,8 @@ ROWS = [
         ("missing",), object_deleted),
     Row("storage", "corrupt_spooled", "a spooled batch file altered before its upload", "Failed",
         ("sha256",), storage_fault(bandwidth=200_000, strike=corrupt_spooled)),
+    Row("abuse", "secrets_at_rest", "keys of every storage row grepped for in all files and Prefect records",
+        "Completed", (), secrets_at_rest),  # last: it searches what the rows before it left
 ]
 
 
@@ -733,6 +757,8 @@ def main() -> int:
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
     rows = [r for r in ROWS if (not args.fast or r.fast) and (not args.only or r.name in args.only.split(","))]
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # here, not at import: the tests import this
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from moto.server import ThreadedMotoServer
     from prefect.testing.utilities import prefect_test_harness
 
