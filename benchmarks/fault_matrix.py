@@ -23,6 +23,7 @@ The process exits 1 if any row fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -464,32 +465,33 @@ def deploy_put_fails(lab: Lab, case: Case) -> Outcome:
     return case.finish(observed(state, why), seconds, {"hosts": case.inventory(tag="fixed")}, case.local_out())
 
 
-def deploy_disk_full(lab: Lab, case: Case) -> Outcome:
-    mount = case.base / "tiny-disk"
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str):
+    """A small disk of its own (root: CI runs as root), unmounted after."""
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
     try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def deploy_disk_full(lab: Lab, case: Case) -> Outcome:
+    with tmpfs(case.base / "tiny-disk", "64k") as mount:
         # `lo`: a host in a network namespace has its own mount namespace and would not see this mount
         state, seconds, why = case.flow(output=case.local_out(), hosts=case.inventory(("lo",),
                                                                                       lo={"workdir": mount / "w"}))
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
     return case.finish(observed(state, why), seconds, {"hosts": case.inventory(tag="fixed")}, case.local_out())
 
 
 def out_disk_full(lab: Lab, case: Case) -> Outcome:
-    mount = case.base / "small-disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(case.base / "small-disk", "3m") as mount:
         case.data = lab.long_data
         output = f"file://{mount / 'out'}"
         state, seconds, why = case.flow(output=output, hosts=case.inventory(("lo",)))  # lo: sees this mount
         subprocess.run(["mount", "-o", "remount,size=256m", str(mount)], check=True)
         return case.finish(observed(state, why), None, {"hosts": case.inventory(("lo",), tag="fixed")}, output,
                            note="re-run after the disk grew")
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def bad_input(make_args):
