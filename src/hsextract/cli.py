@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--upload-from memory: most bytes held in memory waiting for upload")
     ex.add_argument("--hash-threads", type=int, default=0,
                     help="batch files hashed (sha256) at once; 0: one per four cores, at most 3")
+    ex.add_argument("--confine", choices=("auto", "on", "off"), default="auto",
+                    help="restrict this process's writes to its own shard's directories with Linux Landlock: "
+                         "auto (when the kernel has it, default), on (fail without it), off")
     ex.add_argument("--retry-skipped", default="", metavar="REASONS",
                     help="comma-separated skip reasons to try again (e.g. oom,nonfinite_states)")
 
@@ -78,6 +82,19 @@ def forget_credentials(status_dir: Path) -> None:
     named = os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
     if named and Path(named).parent.resolve() == status_dir.resolve():
         Path(named).unlink(missing_ok=True)
+
+
+def confine_shard(cfg, mode: str):
+    """Landlock: this shard writes beneath its own directories only (see hsextract.confine). Its output dir
+    (with s3://, its spool) and status dir are made first; the dirs that hold the other shards' are never
+    writable: the output root, and the parent of the status dir when the orchestrator gave one."""
+    from .confine import confine
+
+    own = [cfg.out if cfg.upload else cfg.shard_dir, cfg.status_path]
+    with contextlib.suppress(OSError):  # one that cannot be made is reported by the checks that follow
+        own[0].mkdir(parents=True, exist_ok=True)
+    holds = ([] if cfg.upload else [cfg.out]) + ([cfg.status_path.parent] if cfg.status_dir else [])
+    return confine(own, holds, mode)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hsextract: {label} {str(cfg.status_path)!r}: not writable ({exc.strerror or exc})",
                   file=sys.stderr)
             return 2
+        try:
+            confined = confine_shard(cfg, args.confine)  # before any thread starts: they inherit it
+        except OSError as exc:
+            print(f"hsextract: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"hsextract: shard {cfg.shard}/{cfg.num_shards}: {confined.describe()}", file=sys.stderr, flush=True)
+        heartbeat.progress.confined = confined.active
         heartbeat.progress.phase = "importing"
         heartbeat.start()  # the first heartbeat comes before torch is imported
         from .extract import run_shard  # imports torch

@@ -64,6 +64,7 @@ class Progress:
     upload_paused: bool = False  # extraction waits for uploads (spool over its high-water mark)
     files_uploaded: int = 0
     bytes_uploaded: int = 0
+    confined: bool = False      # writes restricted to this shard's directories (Landlock)
     started_at: float = field(default_factory=time.time)
     extract_started_at: float | None = None
 
