@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 JOURNAL_NAME = "journal.jsonl"
+
+
+FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # what a journal may name: no path, no dot-file
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
@@ -44,11 +48,16 @@ def parse_entries(data: bytes, where: str) -> Iterator[dict]:
         if not raw.strip():
             continue
         try:
-            yield json.loads(raw)
+            entry = json.loads(raw)
         except json.JSONDecodeError:
             if number == len(lines):
                 return  # torn final line: the append it belonged to never completed
             raise ValueError(f"{where}:{number}: corrupt journal line: {raw[:120]!r}") from None
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if name is not None and not (isinstance(name, str) and FILE_NAME.fullmatch(name)):
+            raise ValueError(f"{where}:{number}: file {name!r} is not a plain file name: a journal names only "
+                             f"files in its own shard's directory")
+        yield entry
 
 
 class Journal:

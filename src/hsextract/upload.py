@@ -21,6 +21,7 @@ import io
 import json
 import os
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -44,11 +45,24 @@ class Uploaded:
     checksum: str   # what S3 reported (base64, '-N' suffix for multipart)
 
 
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def split_uri(uri: str) -> tuple[str, str]:
+    """(bucket, prefix without slashes at its ends) of `s3://bucket/prefix`. Refuses what could put a key
+    outside the prefix or be read two ways: `.` or `..` segments, empty segments, control characters."""
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     if not uri.startswith("s3://") or not bucket:
         raise ValueError(f"{uri!r}: expected s3://bucket/prefix")
-    return bucket, prefix.strip("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise ValueError(f"{uri!r}: bucket {bucket!r} is not a valid S3 bucket name (3-63 of a-z 0-9 . -)")
+    prefix = prefix.strip("/")
+    bad = [segment for segment in prefix.split("/") if segment in ("", ".", "..")] if prefix else []
+    if bad or _CONTROL.search(prefix):
+        what = f"segment {bad[0]!r}" if bad else "a control character"
+        raise ValueError(f"{uri!r}: the prefix holds {what}: object keys must stay under one plain prefix")
+    return bucket, prefix
 
 
 def s3_client(endpoint_url: str | None = None, attempts: int = 8, **kwargs):
