@@ -27,7 +27,13 @@ def bundle_dir(workdir: str, digest: str) -> str:
     return f"{workdir}/bundles/{digest}"
 
 
+RUN_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$"  # one directory name: never a path, never `..`
+
+
 def control_dir(workdir: str, run: str, shard_dir: str) -> str:
+    if not re.fullmatch(RUN_NAME_PATTERN, run) or not re.fullmatch(r"shard-\d{5}-of-\d{5}", shard_dir):
+        raise ValueError(f"run name {run!r} / shard dir {shard_dir!r}: a run name is 1-200 of letters, digits, "
+                         f"'.', '_', '-' (not first), so that runs/<run>/ stays one directory under the workdir")
     return f"{workdir}/runs/{run}/{shard_dir}"
 
 
@@ -54,7 +60,8 @@ def unpack_bundle_cmd(workdir: str, digest: str) -> str:
     tar, part = f"{d}.tar.gz", f"{d}.partial"
     return (f"printf 'SHA256 %s\\n' \"$(sha256sum {q(tar)} | cut -d' ' -f1)\" && "
             f"echo {q(digest + '  ' + tar)} | sha256sum -c --status || {{ echo 'HASH MISMATCH'; exit 3; }}; "
-            f"rm -rf {q(part)} && mkdir -p {q(part)} && tar -xzf {q(tar)} -C {q(part)} && "
+            f"rm -rf {q(part)} && mkdir -p {q(part)} && "
+            f"tar --no-same-owner --no-same-permissions -xzf {q(tar)} -C {q(part)} && "
             f"printf '%s' {q(digest)} > {q(part + '/.complete')} && rm -rf {q(d)} && mv {q(part)} {q(d)} && "
             f"rm -f {q(tar)}")
 
@@ -89,7 +96,7 @@ def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, work
     src = bundle_dir(workdir, digest) + "/src"
     argv = " ".join(q(a) for a in [python, "-m", "hsextract", "extract", *worker_args, "--status-dir", ctrl])
     return (
-        f"mkdir -p {q(ctrl)} && cd {q(ctrl)} && umask 027 && exec 9>>.launch.lock && "
+        f"mkdir -p {q(ctrl)} && cd {q(ctrl)} && exec 9>>.launch.lock && "
         f"{{ flock -w 30 9 || {{ echo 'LOCK BUSY'; exit 75; }}; }} && "
         f"if [ -s pid ] && kill -0 \"$(cat pid)\" 2>/dev/null && [ \"$({_proc_state('$(cat pid)')})\" != Z ] && "
         f"[ \"$({_proc_start('$(cat pid)')})\" = \"$(cat pid.start 2>/dev/null)\" ]; then "

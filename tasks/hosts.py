@@ -22,6 +22,14 @@ from .inventory import HostSpec, Inventory
 from .transient import is_transient
 
 
+UMASK = "027"  # what the product makes on a host is never world-readable, nor writable by the group
+
+
+def wrap(command: str) -> str:
+    """`command` in a subshell under UMASK with stdin closed: how every command reaches a host's shell."""
+    return f"( umask {UMASK}; {command}\n) < /dev/null"
+
+
 def tail(text: str, limit: int = 2000) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
@@ -47,8 +55,9 @@ class Result:
 class HostError(Exception):
     """The host could not be reached or did not answer in time: nothing is known about the command."""
 
-    def __init__(self, host: str, command: str, reason: str, transient: bool):
-        super().__init__(f"host {host}: `{tail(command, 600)}`: {reason}")
+    def __init__(self, host: str, command: str, reason: str, transient: bool, sent: bool = True):
+        super().__init__(f"host {host}: `{tail(command, 600)}`: {reason}" if sent else
+                         f"host {host}: {reason} (so `{tail(command, 120)}` was never sent)")
         self.host, self.command, self.reason, self.transient = host, command, reason, transient
 
 
@@ -79,7 +88,7 @@ class LocalHost(Host):
     """This machine, through /bin/sh: the embedded default, and the twin of SshHost in tests."""
 
     def run(self, command: str, timeout: float) -> Result:
-        proc = subprocess.Popen(["/bin/sh", "-c", f"( {command}\n) < /dev/null"], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(["/bin/sh", "-c", wrap(command)], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -93,7 +102,7 @@ class LocalHost(Host):
         target = Path(path)
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(target.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
@@ -101,6 +110,19 @@ class LocalHost(Host):
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise HostError(self.name, f"put {path}", f"{exc.strerror or exc}", transient=False) from None
+
+
+def make_dirs(path: Path) -> None:
+    """`mkdir -p` under UMASK (pathlib makes missing parents with the process's umask, often 022)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o777 & ~int(UMASK, 8))
+        except FileExistsError:
+            pass
 
 
 @dataclass(frozen=True)
@@ -152,8 +174,13 @@ class SshHost(Host):
 
         def target():
             try:
-                box["value"] = fn(self._connection())
+                conn = self._connection()
             except BaseException as exc:  # re-raised on the caller's thread
+                box["error"], box["connecting"] = exc, True
+                return
+            try:
+                box["value"] = fn(conn)
+            except BaseException as exc:
                 box["error"] = exc
 
         thread = threading.Thread(target=target, daemon=True, name=f"ssh-{self.name}")
@@ -166,11 +193,16 @@ class SshHost(Host):
         if "error" in box:
             exc = box["error"]
             self.close()
+            if box.get("connecting"):
+                spec = self.spec
+                raise HostError(self.name, what, f"cannot connect to {spec.user or ''}{'@' if spec.user else ''}"
+                                f"{spec.hostname}:{spec.port}: {type(exc).__name__}: {exc}", is_transient(exc),
+                                sent=False) from exc
             raise HostError(self.name, what, f"{type(exc).__name__}: {exc}", is_transient(exc)) from exc
         return box["value"]
 
     def run(self, command: str, timeout: float) -> Result:
-        wrapped = f"( {command}\n) < /dev/null"
+        wrapped = wrap(command)
 
         def go(conn):
             from invoke.exceptions import CommandTimedOut
@@ -202,7 +234,7 @@ class SshHost(Host):
         def go(conn):
             sftp = conn.sftp()
             parent = path.rsplit("/", 1)[0] or "/"
-            conn.run(f"mkdir -p -- {quote(parent)}", hide=True, in_stream=False, timeout=timeout)
+            conn.run(wrap(f"mkdir -p -- {quote(parent)}"), hide=True, in_stream=False, timeout=timeout)
             with sftp.open(tmp, "wb") as handle:  # narrowed before a byte is written (secrets use 0600)
                 sftp.chmod(tmp, mode)
                 handle.write(data)

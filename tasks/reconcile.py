@@ -33,6 +33,7 @@ from hsextract.sharding import shard_of
 
 INDEX_NAME = "_index.jsonl"
 SUCCESS_NAME = "_SUCCESS"
+FILE_MODE = 0o640  # like the workers' files: the group may read, others may not
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class LocalStore(Store):
 
     def create(self, key: str, data: bytes) -> bool:
         try:
-            fd = os.open(self.root / key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(self.root / key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         except FileExistsError:
             return False
         with os.fdopen(fd, "wb") as handle:
@@ -105,7 +106,7 @@ class LocalStore(Store):
     def write(self, key: str, data: bytes) -> None:
         target = self.root / key
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        with tmp.open("wb") as handle:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

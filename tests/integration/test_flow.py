@@ -40,6 +40,10 @@ def test_two_hosts_two_shards_each_exactly_once_then_continue(prefect_server, fa
     assert ids == Counter(dataset_ids(data))
     journals = sorted(p.parent.name for p in (tmp_path / "out").glob("shard-*/journal.jsonl"))
     assert journals == [f"shard-{i:05d}-of-00004" for i in range(4)]
+    # nothing the product made is open to others, or writable by the group (workdirs, code, logs, output)
+    made = [p for root in ("w-h1", "w-h2", "out") for p in [tmp_path / root, *(tmp_path / root).rglob("*")]]
+    assert len(made) > 50
+    assert [f"{oct(p.lstat().st_mode & 0o777)} {p}" for p in made if p.lstat().st_mode & 0o027] == []
     # same run name and output: nothing is redone
     state = run_flow(model=str(tiny_model), data=str(data), output=out, hosts=str(hosts), layers="1,3",
                      run_name="r1")

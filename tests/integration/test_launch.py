@@ -168,6 +168,7 @@ def test_unknown_host_key_refused_unless_opted_in(env, farm, tmp_path):
     with SshHost(inventory.hosts[0], inventory) as host, pytest.raises(HostError) as err:
         host.run("true", 5)
     assert "not found in known_hosts" in str(err.value) and not err.value.transient
+    assert "cannot connect to" in str(err.value) and "was never sent" in str(err.value)
     entry["known_hosts"] = str(farm.known_hosts_with_wrong_key("h2"))
     inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
     with SshHost(inventory.hosts[0], inventory) as host, pytest.raises(HostError) as err:

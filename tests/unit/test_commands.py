@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from tasks.commands import check_bundle_cmd, kill_cmd, launch_cmd, parse_probe, probe_cmd
 
 def nasty(tmp_path) -> str:
@@ -128,3 +130,22 @@ def test_launch_env_is_quoted_and_unset_names_are_removed(tmp_path):
     assert not (tmp_path / "pwned").exists()
     with pytest.raises(ValueError, match="not allowed"):
         launch_cmd(str(ctrl), str(tmp_path), "d", "p", 0, [], "/j", env={"A;rm -rf /": "x"})
+
+
+@pytest.mark.parametrize("run", ["../../etc", "a/b", ".", "..", "-rf", "x y", "x;y", "", "é", "a" * 201])
+def test_a_run_name_is_one_plain_directory_name(run):
+    from tasks.commands import control_dir
+
+    with pytest.raises(ValueError, match="run name"):
+        control_dir("/w", run, "shard-00000-of-00001")
+    assert control_dir("/w", "run-1.b_c", "shard-00000-of-00001") == "/w/runs/run-1.b_c/shard-00000-of-00001"
+
+
+def test_every_host_command_runs_under_umask_027_and_the_bundle_unpacks_with_it(tmp_path):
+    from tasks.commands import unpack_bundle_cmd
+    from tasks.hosts import wrap
+
+    out = subprocess.run(["/bin/sh", "-c", wrap(f"mkdir -p {tmp_path}/a/b && touch {tmp_path}/a/b/f")])
+    assert out.returncode == 0
+    assert [oct((tmp_path / p).stat().st_mode & 0o777) for p in ("a", "a/b", "a/b/f")] == ["0o750", "0o750", "0o640"]
+    assert "--no-same-permissions" in unpack_bundle_cmd("/w", "0" * 64), "root's tar would keep the archive's 0644"
