@@ -121,3 +121,17 @@ def flow_runs_for(client, run_name: str, deployment: str | None = None) -> list:
     found = client.read_flow_runs(limit=200, deployment_filter=DeploymentFilter(
         name=DeploymentFilterName(any_=[deployment])) if deployment else None)
     return sorted((r for r in found if (r.parameters or {}).get("run_name") == run_name), key=lambda r: r.created)
+
+
+def flow_run_pid(flow_run_id) -> int:
+    """The pid of the process executing a flow run on this machine (a worker puts the id in its environment)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+            return int(proc.name)
+    raise LookupError(f"no process on this machine runs flow run {flow_run_id}")

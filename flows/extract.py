@@ -29,8 +29,10 @@ if str(ROOT) not in sys.path:  # `prefect deployment run` starts flows with the 
 
 from tasks.board import Board, read_table, run_key  # noqa: E402
 from tasks.bundle import build_bundle  # noqa: E402
+from tasks.commands import RUN_NAME_PATTERN  # noqa: E402
 from tasks.deploy import deploy  # noqa: E402
 from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory  # noqa: E402
+from tasks.orphans import close_orphaned_task_runs  # noqa: E402
 from tasks.reconcile import reconcile  # noqa: E402
 from tasks.shards import Policy, ShardJob, forget_credentials, launch, supervise  # noqa: E402
 from tasks.credentials import load_access  # noqa: E402
@@ -78,15 +80,17 @@ def default_run_name(output: str) -> str:
 
 def worker_args(model, data, out, layers, max_length, token_budget, device, heartbeat_s,
                 s3_endpoint: str | None = None, dtype: str = "auto", out_dtype: str = "auto",
-                upload_from: str = "disk", upload_memory_gb: float = 8.0) -> tuple[str, ...]:
+                upload_from: str = "disk", upload_memory_gb: float = 8.0, spool_high_gb: float = 64.0,
+                spool_low_gb: float = 32.0, confine: str = "auto") -> tuple[str, ...]:
     args = ["--model", model, "--data", data, "--out", out, "--layers", layers,
             "--token-budget", str(token_budget), "--device", device, "--dtype", dtype, "--out-dtype", out_dtype,
-            "--progress", "log",
+            "--progress", "log", "--confine", confine,
             "--heartbeat-interval", str(heartbeat_s)]
     if max_length is not None:
         args += ["--max-length", str(max_length)]
     if s3_endpoint:
-        args += ["--s3-endpoint", s3_endpoint]
+        args += ["--s3-endpoint", s3_endpoint, "--spool-high-gb", f"{spool_high_gb:g}",
+                 "--spool-low-gb", f"{spool_low_gb:g}"]
     if upload_from != "disk":
         args += ["--upload-from", upload_from, "--upload-memory-gb", f"{upload_memory_gb:g}"]
     return tuple(args)
@@ -139,7 +143,8 @@ Seconds = Annotated[float, Field(gt=0)]
 PARAMETERS = ("model", "data", "output", "hosts", "layers", "num_shards", "shards", "run_name", "aws_credentials",
               "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb", "token_budget", "device",
               "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s", "poll_interval_s", "host_timeout_s",
-              "verify_checksums", "max_attempts", "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s")
+              "verify_checksums", "max_attempts", "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s",
+              "progress_timeout_s", "spool_high_gb", "spool_low_gb", "confine")
 
 
 @flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True)
@@ -151,7 +156,8 @@ def extract(
     layers: LayerSpec = "dflash:5",
     num_shards: Positive | None = None,
     shards: list[Annotated[int, Field(ge=0)]] | None = None,
-    run_name: Annotated[str, Field(min_length=1, max_length=200)] | None = None,
+    run_name: Annotated[str, Field(pattern=RUN_NAME_PATTERN, description="letters, digits, . _ - (a directory "
+                                   "name on every host: no path, spaces or shell characters)")] | None = None,
     aws_credentials: str | None = None,
     max_length: Positive | None = None,
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto",
@@ -171,6 +177,10 @@ def extract(
     rerun_depth: Annotated[int, Field(ge=0)] = 0,
     max_reruns: Annotated[int, Field(ge=0)] = 10,
     status_interval_s: Seconds = 15.0,
+    progress_timeout_s: Seconds = 1800.0,
+    spool_high_gb: Annotated[float, Field(gt=0)] = 64.0,
+    spool_low_gb: Annotated[float, Field(gt=0)] = 32.0,
+    confine: Literal["auto", "on", "off"] = "auto",
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -178,6 +188,11 @@ def extract(
     launched again until `reset_attempts=true`. A failed run with shards under the cap emits
     `extract.run.incomplete`, which the re-run automation turns into a run of exactly those shards;
     `rerun_depth` counts such automated re-runs and `max_reruns` bounds them.
+
+    A shard heartbeating but with no sample finished and no byte uploaded for `progress_timeout_s` (a hung
+    GPU, a dead store) is killed as stalled. With an s3:// output a worker's spool waits above
+    `spool_high_gb` until uploads bring it under `spool_low_gb`. `confine` ("auto", "on", "off"): each worker
+    may write only beneath its own shard's directories (Linux Landlock; "auto" when the host's kernel has it).
     """
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()
@@ -185,9 +200,13 @@ def extract(
     if rerun_depth > max_reruns:
         raise RunIncomplete(f"run {run}: this is automated re-run {rerun_depth}, over max_reruns={max_reruns}: "
                             f"not run. Look at the failures of the earlier runs, then start it again by hand")
+    _close_orphans(run, log)
     inventory = resolve_inventory(hosts)
     out_dir = local_output(output)
     upload = out_dir is None
+    if spool_low_gb > spool_high_gb:
+        raise ValueError(f"spool_low_gb={spool_low_gb:g} is over spool_high_gb={spool_high_gb:g}: extraction "
+                         f"pauses above the high-water mark and resumes below the low one")
     if upload_from == "memory" and not upload:
         raise ValueError(f"upload_from='memory' needs an s3:// output, not output={output!r}: files go from "
                          f"memory straight to the store, so there is nothing to upload to on a local path")
@@ -218,7 +237,8 @@ def extract(
              "%d host(s)", run, len(requested), len(already), len(capped), len(slots), len(inventory.hosts))
     policy = Policy(launch_timeout_s=launch_timeout_s, poll_interval_s=poll_interval_s,
                     stall_timeout_s=stall_timeout_s, host_timeout_s=host_timeout_s,
-                    command_timeout_s=min(Policy.command_timeout_s, host_timeout_s))  # a probe waits no longer
+                    command_timeout_s=min(Policy.command_timeout_s, host_timeout_s),  # a probe waits no longer
+                    progress_timeout_s=progress_timeout_s)
 
     failures: dict[str, str] = {}
     with board:
@@ -235,7 +255,7 @@ def extract(
         failures.update(host_failures)
         args = worker_args(model, data, output if upload else out_dir, layers, max_length, token_budget, device,
                            heartbeat_interval_s, access.endpoint_url if upload else None, dtype, out_dtype,
-                           upload_from, upload_memory_gb)
+                           upload_from, upload_memory_gb, spool_high_gb, spool_low_gb, confine)
         env = (("AWS_DEFAULT_REGION", access.region),) if upload and access.region else ()
 
         def job_on(slot: tuple[str, int], shard: int) -> ShardJob:
@@ -281,6 +301,25 @@ def _read_table(run: str, num_shards: int, log) -> dict:
     except Exception as exc:  # no record is not a reason to stop; say the cap starts from zero
         log.warning("run %s: earlier attempts unreadable (%s): the attempt cap counts from this run", run, exc)
         return {}
+
+
+def _close_orphans(run: str, log) -> None:
+    """Task runs that a dead earlier run of `run` left Running are set Crashed (this run adopts their shards)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    try:
+        with get_client(sync_client=True) as client:
+            closed = close_orphaned_task_runs(
+                client, run, lambda p: p.get("run_name") or default_run_name(str(p.get("output"))),
+                ctx.flow_run.id if ctx and ctx.flow_run else None)
+    except Exception as exc:  # bookkeeping: never a reason to stop the run
+        log.warning("run %s: could not close the task runs earlier runs left Running: %s", run, exc)
+        return
+    if closed:
+        log.info("run %s: set Crashed %d task run(s) a dead earlier run left Running: %s", run, len(closed),
+                 ", ".join(closed))
 
 
 def _related_resources() -> list[dict]:

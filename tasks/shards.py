@@ -197,12 +197,15 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Polic
             stopped = " (process is stopped, state T)" if state.state == "T" else ""
             raise _failure(job, f"stalled: no heartbeat for {age or 0:.1f}s{stopped}; killed pid {launched.pid}",
                            state)
-        progress = (beat.get("samples_done"), beat.get("tokens_done"))
+        # uploads count as progress: over its spool's high-water mark a worker waits for them, rightly
+        progress = (beat.get("samples_done"), beat.get("tokens_done"), beat.get("bytes_uploaded"))
         if progress != last_progress:
             last_progress, progress_at = progress, time.monotonic()
-        elif beat.get("phase") == "extracting" and time.monotonic() - progress_at > policy.progress_timeout_s:
+        elif (beat.get("phase") in ("extracting", "uploading")
+              and time.monotonic() - progress_at > policy.progress_timeout_s):
             host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
-            raise _failure(job, f"stalled: no progress for {policy.progress_timeout_s:.0f}s; killed", state)
+            raise _failure(job, f"stalled: no progress for {policy.progress_timeout_s:.0f}s (no sample finished, "
+                                f"no byte uploaded, phase {beat.get('phase')}); killed", state)
         if log is not None and time.monotonic() - last_log > 30:
             last_log = time.monotonic()
             log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),

@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -146,7 +147,9 @@ class ShardRun:
         cfg = self.cfg
         client = s3_client(cfg.s3_endpoint)
         fetch_journals(client, cfg.upload, cfg.out)  # what every earlier run put in the store counts as done
-        spool = Spool(cfg.spool_high_bytes, cfg.spool_low_bytes, self.progress)
+        high, low = spool_marks(cfg.out, cfg.spool_high_bytes, cfg.spool_low_bytes,
+                                f"shard {cfg.shard}/{cfg.num_shards}")
+        spool = Spool(high, low, self.progress)
         self.uploader = BackgroundUploader(client, cfg.upload, cfg.shard_dir, spool, cfg.upload_part_bytes,
                                            memory_bytes=cfg.upload_memory_bytes if cfg.upload_from == "memory" else 0)
 
@@ -351,7 +354,7 @@ class ShardRun:
             "shard": p.shard, "num_shards": p.num_shards, "samples_total": p.samples_total,
             "samples_done": p.samples_done, "samples_written": p.samples_written,
             "skipped": dict(self.skips), "tokens": p.tokens_done, "files": p.files, "bytes": p.bytes,
-            "forward_passes": p.forward_passes, "seconds": round(seconds, 3),
+            "forward_passes": p.forward_passes, "seconds": round(seconds, 3), "confined": p.confined,
             "padded_tokens": p.padded_tokens,
             "padding_waste": round(p.padded_tokens / p.tokens_forwarded - 1, 4) if p.tokens_forwarded else 0.0,
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
@@ -494,6 +497,21 @@ class BatchWriter:
             raise self.error
 
 
+def spool_marks(spool: Path, high: int, low: int, label: str) -> tuple[int, int]:
+    """The spool's high- and low-water marks, lowered to fit the disk it is on (9/10 of what is free now, with
+    the same ratio), saying so: a mark the disk cannot hold would end in a full disk, not a pause."""
+    free = shutil.disk_usage(spool).free
+    room = free * 9 // 10
+    if high <= room:
+        return high, low
+    fitted_high = max(1, room)
+    fitted_low = max(1, low * fitted_high // high)
+    print(f"hsextract: {label}: the spool's disk ({spool}) has {free / 2**30:.2f} GiB free, less than the "
+          f"high-water mark {high / 2**30:g} GiB: pausing above {fitted_high / 2**30:.3f} GiB and resuming below "
+          f"{fitted_low / 2**30:.3f} GiB instead", file=sys.stderr, flush=True)
+    return fitted_high, fitted_low
+
+
 def default_hash_workers() -> int:
     """Files hashed at once: one per four cores, at most 3 (about 5 GiB/s of sha256, over any disk here)."""
     return min(3, max(1, (os.cpu_count() or 1) // 4))
@@ -549,6 +567,9 @@ def run_shard(cfg: ExtractConfig, heartbeat: Heartbeat | None = None) -> int:
         code, reason = 3, str(exc)
     except Exception as exc:
         code, reason = 1, f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, PermissionError) and progress.confined:
+            reason += (" (this worker may write only beneath its own shard's directories, see the 'writes "
+                       "confined to' line of its log; --confine off lifts that)")
         import traceback
 
         traceback.print_exc()

@@ -269,19 +269,6 @@ def test_the_attempt_cap_stops_a_shard_that_always_fails(served):
     assert "printing no STARTED line" in row["last_error"] and "printing no STARTED line" in message
 
 
-def _flow_run_pid(flow_run_id) -> int:
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
-            return int(proc.name)
-    raise AssertionError(f"no process runs flow run {flow_run_id}")
-
-
 def _shard_workers(out: Path) -> Counter:
     """Live `hsextract extract` processes writing to `out`, per shard index."""
     found = Counter()
@@ -296,6 +283,8 @@ def _shard_workers(out: Path) -> Counter:
 
 
 def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(served):
+    from deployments.local import flow_run_pid
+
     out = served.root / "out-phoenix"
     hold = served.root / "hold-phoenix"
     hold.touch()  # the shards wait at their first batch, alive and heartbeating, until the test lets go
@@ -308,7 +297,7 @@ def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(serve
     # the whole orchestrator dies at once: the worker first (so nobody reports the flow run), then the run
     os.kill(served.worker.pid, signal.SIGKILL)
     served.worker.wait()
-    os.kill(_flow_run_pid(flow_run.id), signal.SIGKILL)
+    os.kill(flow_run_pid(flow_run.id), signal.SIGKILL)
     killed_at = time.monotonic()
     served.start_worker()  # the orchestrator comes back; the run it had is silent now
     most = Counter()
@@ -335,4 +324,11 @@ def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(serve
     assert max(most.values()) == 1, f"never two writers for one shard: {most}"
     ids = Counter(s["id"] for s in hsextract.read_samples(out, verify=True))
     assert ids == Counter(dataset_ids(served.data))
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with client() as c:  # the dead run's launch/supervise tasks were closed by the run that adopted their shards
+        left = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    assert left and not [t.name for t in left if t.state.is_running() or t.state.is_pending()], \
+        [(t.name, t.state.type) for t in left]
+    assert any(t.state.is_crashed() and "continues run phoenix" in (t.state.message or "") for t in left)
     print(f"\norchestrator killed -> run marked Crashed: {crashed_after:.1f}s")

@@ -90,3 +90,14 @@ def test_only_runs_of_our_deployments_can_be_taken_for_zombies_or_rerun_as_crash
     crash_trigger = ServerTrigger.model_validate(crashed.trigger.model_dump(mode="json"))
     assert crash_trigger.covers_resources(heartbeat(["hsextract"]).resource, heartbeat(["hsextract"]).related)
     assert not crash_trigger.covers_resources(heartbeat([]).resource, heartbeat([]).related)
+
+
+@pytest.mark.parametrize("run_name", ["../../etc", "a/b", "x y", "$(touch /tmp/x)", "-rf"])
+def test_a_run_name_that_is_not_one_plain_directory_name_is_refused(run_name):
+    from prefect.exceptions import ParameterTypeError
+
+    with pytest.raises(ParameterTypeError, match="run_name"):
+        extract.validate_parameters({"model": "/m", "data": "/d", "output": "file:///o", "hosts": "h.yaml",
+                                     "run_name": run_name})
+    assert extract.validate_parameters({"model": "/m", "data": "/d", "output": "file:///o", "hosts": "h.yaml",
+                                        "run_name": "qwen36.r-2_b"})["run_name"] == "qwen36.r-2_b"
