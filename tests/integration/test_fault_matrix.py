@@ -20,11 +20,13 @@ FAST_ROWS = [row for row in fault_matrix.ROWS if row.fast]
 def lab(tmp_path_factory, farm, s3_endpoint, tiny_model, prefect_server):
     work = tmp_path_factory.mktemp("faults")
     data = tiny.build_dataset(work / "chat.jsonl", 48, seed=7)
-    return fault_matrix.Lab(work, farm, s3_endpoint, tiny_model, data)
+    lab = fault_matrix.Lab(work, farm, s3_endpoint, tiny_model, data)
+    yield lab
+    lab.close()
 
 
 def test_the_fast_subset_covers_every_kind_of_fault():
-    assert {row.group for row in FAST_ROWS} >= {"launch", "run", "data", "storage"}
+    assert {row.group for row in FAST_ROWS} >= {"launch", "run", "data", "storage", "abuse"}
 
 
 @pytest.mark.parametrize("row", FAST_ROWS, ids=lambda row: row.name)
