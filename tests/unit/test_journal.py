@@ -189,3 +189,15 @@ def test_lost_entry_retracts_a_file_so_its_samples_are_not_written(shard):
     state = scan_output(shard.parent)
     assert set(state.written) == {"c"} and not state.finished("a") and not state.finished("b")
     assert [e["file"] for _, e in state.files] == ["batch-000001.safetensors"]
+
+
+@pytest.mark.parametrize("name", ["../other/batch-000001.safetensors", "/etc/passwd", ".hidden", "a/b", "", 7,
+                                  "x\nbatch"])
+def test_a_journal_may_name_only_plain_files_of_its_own_dir(name):
+    from hsextract.journal import parse_entries
+
+    line = json.dumps({"kind": "file", "file": name, "ids": ["a"], "bytes": 1, "sha256": "0" * 64})
+    with pytest.raises(ValueError, match="not a plain file name"):
+        list(parse_entries(line.encode() + b"\n", "s3://b/p/shard-00000-of-00001/journal.jsonl"))
+    good = line.replace(json.dumps(name), '"batch-000001.safetensors"')
+    assert list(parse_entries(good.encode() + b"\n", "j"))[0]["file"] == "batch-000001.safetensors"
