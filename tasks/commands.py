@@ -54,16 +54,25 @@ def check_bundle_cmd(workdir: str, digest: str, python: str) -> str:
             f"{{ cat {q(d + '/.env')} 2>/dev/null; true; }}")
 
 
-def unpack_bundle_cmd(workdir: str, digest: str) -> str:
-    """Verify the uploaded tarball's sha256 on the host (prints `SHA256 <hash>`), unpack it atomically."""
+def bundle_tarball(workdir: str, digest: str, nonce: str) -> str:
+    """Where one deploy puts the bundle before unpacking (its own name: deploys of one bundle may overlap)."""
+    return f"{bundle_dir(workdir, digest)}.{nonce}.tar.gz"
+
+
+def unpack_bundle_cmd(workdir: str, digest: str, nonce: str) -> str:
+    """Verify the uploaded tarball's sha256 on the host (prints `SHA256 <hash>`), unpack it atomically.
+
+    Deploys of the same bundle to one workdir may overlap (two runs, or two inventory entries for one
+    machine): each unpacks into its own temp dir, and the first to finish puts it in place."""
     d = bundle_dir(workdir, digest)
-    tar, part = f"{d}.tar.gz", f"{d}.partial"
+    tar, part = bundle_tarball(workdir, digest, nonce), f"{d}.partial.{nonce}"
     return (f"printf 'SHA256 %s\\n' \"$(sha256sum {q(tar)} | cut -d' ' -f1)\" && "
-            f"echo {q(digest + '  ' + tar)} | sha256sum -c --status || {{ echo 'HASH MISMATCH'; exit 3; }}; "
+            f"echo {q(digest + '  ' + tar)} | sha256sum -c --status || {{ echo 'HASH MISMATCH'; rm -f {q(tar)}; exit 3; }}; "
             f"rm -rf {q(part)} && mkdir -p {q(part)} && "
-            f"tar --no-same-owner --no-same-permissions -xzf {q(tar)} -C {q(part)} && "
-            f"printf '%s' {q(digest)} > {q(part + '/.complete')} && rm -rf {q(d)} && mv {q(part)} {q(d)} && "
-            f"rm -f {q(tar)}")
+            f"tar --no-same-owner --no-same-permissions -xzf {q(tar)} -C {q(part)} && rm -f {q(tar)} && "
+            f"printf '%s' {q(digest)} > {q(part + '/.complete')} && "
+            f"{{ mv -T {q(part)} {q(d)} 2>/dev/null || {{ test -f {q(d + '/.complete')} && rm -rf {q(part)}; }} || "
+            f"{{ rm -rf {q(d)} && mv -T {q(part)} {q(d)}; }}; }}")
 
 
 def env_check_cmd(python: str, workdir: str, digest: str) -> str:
@@ -72,7 +81,7 @@ def env_check_cmd(python: str, workdir: str, digest: str) -> str:
             "'transformers': transformers.__version__, 'safetensors': safetensors.__version__, "
             "'cuda_devices': torch.cuda.device_count()}))")
     env = bundle_dir(workdir, digest) + "/.env"
-    return f"{q(python)} -c {q(code)} > {q(env + '.tmp')} && mv {q(env + '.tmp')} {q(env)} && cat {q(env)}"
+    return f"{q(python)} -c {q(code)} > {q(env)}.$$.tmp && mv {q(env)}.$$.tmp {q(env)} && cat {q(env)}"
 
 
 def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, worker_args: list[str],

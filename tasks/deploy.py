@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from .bundle import Bundle
-from .commands import bundle_dir, check_bundle_cmd, env_check_cmd, q, unpack_bundle_cmd
+from .commands import bundle_tarball, check_bundle_cmd, env_check_cmd, q, unpack_bundle_cmd
 from .hosts import Host, HostError, connect
 from .inventory import Inventory
 from .transient import is_transient
@@ -57,13 +58,14 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
     proved, check = _proof(host, bundle.sha256, python, version, timeout)
     skipped = proved
     if not proved:
-        tarball = bundle_dir(host.spec.workdir, bundle.sha256) + ".tar.gz"
+        nonce = uuid.uuid4().hex[:12]
+        tarball = bundle_tarball(host.spec.workdir, bundle.sha256, nonce)
         try:
             host.put(bundle.data, tarball, timeout, mode=0o640)
         except HostError as exc:
             raise DeployFailed(f"host {host.name}: uploading the bundle ({len(bundle.data):,} bytes) to {tarball} "
                                f"failed: {exc.reason}{_free_space(host, host.spec.workdir)}", exc.transient) from None
-        unpacked = host.run(unpack_bundle_cmd(host.spec.workdir, bundle.sha256), timeout)
+        unpacked = host.run(unpack_bundle_cmd(host.spec.workdir, bundle.sha256, nonce), timeout)
         if not unpacked.stdout.startswith(f"SHA256 {bundle.sha256}\n") or not unpacked.ok:
             raise DeployFailed(f"wrong bundle hash or unpack failed (expected sha256 {bundle.sha256}); "
                                + unpacked.describe())

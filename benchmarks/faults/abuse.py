@@ -76,7 +76,7 @@ def injection(lab: Lab, case: Case, examples: int = 40) -> Outcome:
         commands = [launch_cmd(ctrl, workdir, digest, str(python), 0, args, f"{ctrl}/j{v}", wait_s=1.0,
                                env={"AWS_DEFAULT_REGION": v}, unset=("AWS_PROFILE",)),
                     probe_cmd(ctrl, f"{ctrl}/j{v}"), kill_cmd(ctrl), check_bundle_cmd(workdir, digest, str(python)),
-                    env_check_cmd(str(python), workdir, digest), unpack_bundle_cmd(workdir, digest)]
+                    env_check_cmd(str(python), workdir, digest), unpack_bundle_cmd(workdir, digest, v)]
         for command in commands:
             host.run(command, 30)
             counts["commands"] += 1

@@ -229,3 +229,31 @@ def test_unchanged_bundle_is_skipped_changed_one_pushed(env, tmp_path):
         assert not pushed.skipped and pushed.digest == changed.sha256
         listing = host.run(f"cat {host.spec.workdir}/bundles/{changed.sha256}/CHANGED", 5)
         assert listing.stdout == "one more file"
+
+
+def test_overlapping_deploys_of_one_bundle_to_one_workdir_all_succeed(env, farm, tmp_path):
+    """Two runs (or two inventory entries for one machine) deploying at once: each unpacks on its own, the
+    bundle ends whole, and no stray tarball or temp dir stays behind."""
+    import threading
+
+    entry = ssh_host_entry(farm.host("lo"), tmp_path / "shared-w")
+    inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
+    results, errors = [], []
+
+    def deploy_once():
+        try:
+            with connect(inventory.hosts[0], inventory) as host:
+                results.append(deploy_host(host, env["bundle"], "0.1.0"))
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=deploy_once) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(results) == 3, errors
+    bundles = tmp_path / "shared-w" / "bundles"
+    assert sorted(p.name for p in bundles.iterdir()) == [env["bundle"].sha256]
+    assert (bundles / env["bundle"].sha256 / ".complete").read_text() == env["bundle"].sha256
+    assert (bundles / env["bundle"].sha256 / "src" / "hsextract" / "cli.py").is_file()

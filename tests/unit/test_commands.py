@@ -148,4 +148,4 @@ def test_every_host_command_runs_under_umask_027_and_the_bundle_unpacks_with_it(
     out = subprocess.run(["/bin/sh", "-c", wrap(f"mkdir -p {tmp_path}/a/b && touch {tmp_path}/a/b/f")])
     assert out.returncode == 0
     assert [oct((tmp_path / p).stat().st_mode & 0o777) for p in ("a", "a/b", "a/b/f")] == ["0o750", "0o750", "0o640"]
-    assert "--no-same-permissions" in unpack_bundle_cmd("/w", "0" * 64), "root's tar would keep the archive's 0644"
+    assert "--no-same-permissions" in unpack_bundle_cmd("/w", "0" * 64, "n1"), "root's tar would keep the archive's 0644"
