@@ -50,7 +50,7 @@ def check_bundle_cmd(workdir: str, digest: str, python: str) -> str:
     d = bundle_dir(workdir, digest)
     return (f"test -f {q(d + '/.complete')} || {{ echo 'NO BUNDLE'; exit 4; }}; "
             f"printf 'BUNDLE %s\\n' \"$(cat {q(d + '/.complete')})\" && "
-            f"PYTHONPATH={q(d + '/src')} {q(python)} -m hsextract --version && "
+            f"PYTHONPATH={q(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {q(python)} -m hsextract --version && "
             f"{{ cat {q(d + '/.env')} 2>/dev/null; true; }}")
 
 
@@ -112,7 +112,8 @@ def launch_cmd(ctrl: str, workdir: str, digest: str, python: str, gpu: int, work
         f"echo \"ADOPT $(cat pid) $(cat pid.start)\"; exit 0; fi; "
         f"rm -f exit.json heartbeat.json pid pid.start && "
         f"{{ : > worker.log; }} 2>/dev/null || {{ echo 'LOG UNWRITABLE'; exit 73; }}; "
-        f"{clear}{assign}CUDA_VISIBLE_DEVICES={q(gpu)} PYTHONPATH={q(src)} PYTHONUNBUFFERED=1 "
+        f"{clear}{assign}CUDA_VISIBLE_DEVICES={q(gpu)} PYTHONPATH={q(src)}${{PYTHONPATH:+:$PYTHONPATH}} "
+        f"PYTHONUNBUFFERED=1 "
         f"setsid {argv} >> worker.log 2>&1 < /dev/null 9>&- & "
         f"pid=$!; start=$({_proc_start('$pid')}); echo \"$pid\" > pid; echo \"$start\" > pid.start; "
         f"echo \"LAUNCHED $pid $start\"; i=0; while [ $i -lt {ticks} ]; do "

@@ -149,3 +149,18 @@ def test_every_host_command_runs_under_umask_027_and_the_bundle_unpacks_with_it(
     assert out.returncode == 0
     assert [oct((tmp_path / p).stat().st_mode & 0o777) for p in ("a", "a/b", "a/b/f")] == ["0o750", "0o750", "0o640"]
     assert "--no-same-permissions" in unpack_bundle_cmd("/w", "0" * 64, "n1"), "root's tar would keep the archive's 0644"
+
+
+def test_the_worker_finds_the_bundle_first_and_keeps_the_hosts_own_pythonpath(tmp_path):
+    import os
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho \"$PYTHONPATH\" > seen\n")
+    python.chmod(0o755)
+    ctrl = tmp_path / "ctrl"
+    cmd = launch_cmd(str(ctrl), "/w", "abc", str(python), 0, [], "/j", wait_s=0.5)
+    subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, env={**os.environ, "PYTHONPATH": "/site/extra"})
+    assert (ctrl / "seen").read_text() == "/w/bundles/abc/src:/site/extra\n"
+    subprocess.run(["/bin/sh", "-c", cmd.replace(str(ctrl), str(tmp_path / "c2"))], capture_output=True,
+                   env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert (tmp_path / "c2" / "seen").read_text() == "/w/bundles/abc/src\n"
