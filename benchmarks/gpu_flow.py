@@ -6,7 +6,8 @@
 The inventory is this machine (`hostname: local`), one entry per GPU slot: every GPU `nvidia-smi -L` lists,
 `--shards-per-gpu` times (on a one-GPU machine, 2 shards then share it). A Qwen3.6-27B-shaped stack with
 random bf16 weights (gpu_throughput.build_model) and a pre-tokenized lognormal dataset are built first.
-Three runs of the flow, each through a real Prefect server (prefect_test_harness):
+After a warm-up run (Triton compiles the GDN kernels on first use) and a probe of the disk's durable write
+rate (the sink's ceiling), three runs of the flow, each through a real Prefect server (prefect_test_harness):
   1. one shard on GPU 0 alone: the one-GPU figure;
   2. every slot at once: per-shard and total tokens/s, scaling efficiency = total / (shards x one-shard
      figure, or GPUs x it when shards share GPUs), each worker's CUDA_VISIBLE_DEVICES, NCCL_NVLS_ENABLE and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,8 +92,9 @@ class Runner:
         found = list(self.work.glob(f"w-{tag}-*/runs/{tag}/shard-{shard:05d}-of-{n:05d}"))
         return found[0] if found else self.work / "nowhere"
 
-    def wait_extracting(self, tag: str, n: int, box: dict, timeout: float = 600) -> dict[int, int]:
-        """{shard: pid} once every shard's heartbeat says extracting with a file written."""
+    def wait_extracting(self, tag: str, n: int, box: dict, timeout: float = 600, shards=None) -> dict[int, int]:
+        """{shard: pid} once each of `shards` (default all) says extracting, with a file written."""
+        shards = set(range(n) if shards is None else shards)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and "state" not in box:
             pids = {}
@@ -102,10 +105,21 @@ class Runner:
                         pids[shard] = int((self.ctrl(tag, shard, n) / "pid").read_text())
                 except (OSError, ValueError):
                     pass
-            if len(pids) == n:
+            if shards <= set(pids):
                 return pids
             time.sleep(0.2)
         raise RuntimeError(f"run {tag}: not every shard reached extracting ({box.get('state')})")
+
+
+def disk_write_gib_s(work: Path, size_mib: int = 2048) -> float:
+    """This disk's sequential write rate with the data made durable (dd, fdatasync): the sink's ceiling."""
+    target = work / "disk-probe"
+    began = time.monotonic()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={size_mib // 16}", "conv=fdatasync"],
+                   capture_output=True, check=True)
+    seconds = time.monotonic() - began
+    target.unlink()
+    return round(size_mib / 1024 / seconds, 3)
 
 
 def summaries(out: Path) -> dict[int, dict]:
@@ -182,10 +196,17 @@ def main() -> int:
     from prefect.testing.utilities import prefect_test_harness
 
     runner = Runner(args, work, model, data)
+    report["disk_gib_s"] = disk_write_gib_s(work)
     with prefect_test_harness(server_startup_timeout=180):
+        # 0. warm-up: Triton compiles the GDN kernels on first use (tens of seconds); no figure is taken
+        warm = work / "warm.jsonl"
+        warm.write_text("".join(data.read_text().splitlines(keepends=True)[:12]))
+        state, seconds = runner.flow(**{**runner.params("warm", [0]), "data": str(warm)})
+        report["warm_up"] = {"state": state.type.value, "seconds": round(seconds, 1)}
         # 1. one shard alone on GPU 0
         state, seconds = runner.flow(**runner.params("one", [0]))
         report["one"] = {"state": state.type.value, "seconds": round(seconds, 1), **throughput(work / "out-one")}
+        shutil.rmtree(work / "out-one")  # the disk holds a few runs' states, not all
         # 2. every slot at once, clean
         box: dict = {}
         thread = threading.Thread(target=lambda: box.update(zip(("state", "seconds"),
@@ -200,7 +221,11 @@ def main() -> int:
         thread.join()
         report["all"] = {"state": box["state"].type.value, "seconds": round(box["seconds"], 1),
                          **throughput(work / "out-all")}
+        shutil.rmtree(work / "out-all")
         one = report["one"]["total_tok_s"] or 1.0
+        hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+        per_token = len(args.layers.split(",")) * hidden * 2  # bf16 bytes captured per token
+        report["sink_ceiling_tok_s"] = round(report["disk_gib_s"] * 2**30 / per_token, 1)
         report["scaling"] = {
             "total_over_one": round(report["all"]["total_tok_s"] / one, 3),
             "efficiency_per_gpu": round(report["all"]["total_tok_s"] / (gpus * one), 3),
@@ -210,7 +235,7 @@ def main() -> int:
         params = runner.params("kill", slots)
         thread = threading.Thread(target=lambda: box.update(zip(("state", "seconds"), runner.flow(**params))))
         thread.start()
-        pids = runner.wait_extracting("kill", len(slots), box)
+        pids = runner.wait_extracting("kill", len(slots), box, shards=[args.kill])
         os.kill(pids[args.kill], 9)
         killed_at = time.monotonic()
         thread.join()
