@@ -76,7 +76,7 @@ class Runner:
         a = self.args
         return dict(model=str(self.model), data=str(self.data), output=f"file://{self.work / ('out-' + tag)}",
                     hosts=inventory(self.work, slots, tag), layers=a.layers, token_budget=a.token_budget,
-                    device=a.device, dtype=a.dtype, run_name=tag, heartbeat_interval_s=1.0, poll_interval_s=0.5,
+                    device=a.device, dtype=a.dtype, run_name=tag, heartbeat_interval_s=0.25, poll_interval_s=0.5,
                     launch_timeout_s=300, stall_timeout_s=120, host_timeout_s=30, status_interval_s=5,
                     confine=a.confine)
 
@@ -92,8 +92,9 @@ class Runner:
         found = list(self.work.glob(f"w-{tag}-*/runs/{tag}/shard-{shard:05d}-of-{n:05d}"))
         return found[0] if found else self.work / "nowhere"
 
-    def wait_extracting(self, tag: str, n: int, box: dict, timeout: float = 600, shards=None) -> dict[int, int]:
-        """{shard: pid} once each of `shards` (default all) says extracting, with a file written."""
+    def wait_extracting(self, tag: str, n: int, box: dict, timeout: float = 600, shards=None,
+                        files: int = 1) -> dict[int, int]:
+        """{shard: pid} once each of `shards` (default all) says extracting, with `files` files written."""
         shards = set(range(n) if shards is None else shards)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and "state" not in box:
@@ -101,13 +102,13 @@ class Runner:
             for shard in range(n):
                 try:
                     beat = json.loads((self.ctrl(tag, shard, n) / "heartbeat.json").read_text())
-                    if beat.get("phase") == "extracting" and beat.get("files", 0) >= 1:
+                    if beat.get("phase") == "extracting" and beat.get("files", 0) >= files:
                         pids[shard] = int((self.ctrl(tag, shard, n) / "pid").read_text())
                 except (OSError, ValueError):
                     pass
             if shards <= set(pids):
                 return pids
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise RuntimeError(f"run {tag}: not every shard reached extracting ({box.get('state')})")
 
 
@@ -213,7 +214,7 @@ def main() -> int:
         thread = threading.Thread(target=lambda: box.update(zip(("state", "seconds"),
                                                                 runner.flow(**runner.params("all", slots)))))
         thread.start()
-        pids = runner.wait_extracting("all", len(slots), box)
+        pids = runner.wait_extracting("all", len(slots), box, files=0)
         seen = {s: environ_of(pid) for s, pid in pids.items()}
         report["pinning"] = {s: {"pid": pids[s], "slot_gpu": slots[s],
                                  "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES"),
