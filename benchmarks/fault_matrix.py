@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import abuse, datarows, hostrows, orchestrator, storagerows  # noqa: E402
-from faults.lab import Lab, Row, dataset_ids, print_table, run_rows  # noqa: E402
+from faults.lab import Lab, Row, dataset_ids, print_notes, print_table, run_rows  # noqa: E402
 
 from hsextract import tiny  # noqa: E402
 
@@ -159,9 +159,12 @@ def main() -> int:
           f"hosts: sshd in network namespaces (h1, h2) and on loopback, {len(dataset_ids(data))} samples a short run, "
           f"{len(dataset_ids(lab.long_data))} a long one (rows that strike mid-run)\n")
     print_table(results)
+    print_notes(results, lab.seconds)
     if args.markdown:
         with open(args.markdown, "w") as handle:
             print_table(results, handle)
+            print("", file=handle)
+            print_notes(results, lab.seconds, handle)
     return 0 if all(row.passed(o) for row, o in results) else 1
 
 

@@ -72,6 +72,7 @@ class Lab:
         self.said: list[str] = []     # every row's observed reason and note (exceptions reach users there)
         self.argv_hits: list[str] = []  # secrets seen in a process's argv or environment while rows ran
         self.served = None            # the orchestrator rows' own Prefect server and worker, made on first use
+        self.seconds: dict[str, float] = {}  # each row's wall time
         self._n = 0
         self._watching = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -304,6 +305,12 @@ def print_table(rows: list[tuple[Row, Outcome]], out=sys.stdout) -> None:
         print("| " + " | ".join(cells) + " |", file=out)
 
 
+def print_notes(rows: list[tuple[Row, Outcome]], seconds: dict[str, float], out=sys.stdout) -> None:
+    """What each row measured beyond its end state (the table's cells stay short)."""
+    for row, o in rows:
+        print(f"- `{row.name}` ({seconds.get(row.name, 0):.0f} s){': ' + o.note if o.note else ''}", file=out)
+
+
 def run_rows(lab: Lab, rows: list[Row], progress=print) -> list[tuple[Row, Outcome]]:
     results = []
     for row in rows:
@@ -314,6 +321,7 @@ def run_rows(lab: Lab, rows: list[Row], progress=print) -> list[tuple[Row, Outco
         except Exception as exc:  # noqa: BLE001 - a row that breaks is a failed row, not a stopped matrix
             outcome = Outcome(f"ERROR: {type(exc).__name__}: {' '.join(str(exc).split())}")
         results.append((row, outcome))
+        lab.seconds[row.name] = time.monotonic() - began
         lab.said += [outcome.observed, outcome.note, outcome.rerun]
         progress(f"{row.group}/{row.name}: {'pass' if row.passed(outcome) else 'FAIL'} in "
                  f"{time.monotonic() - began:.1f}s: {outcome}")

@@ -73,8 +73,8 @@ def landlock_abi() -> int:
     return max(0, result)
 
 
-def _beneath(path: Path, holds: list[Path]) -> bool:
-    """Whether `path` is any of `holds` or an ancestor of one (then granting it would grant them)."""
+def _holds_any(path: Path, holds: list[Path]) -> bool:
+    """Whether `path` is one of `holds` or an ancestor of one (then granting it would grant them)."""
     return any(hold == path or path in hold.parents for hold in holds)
 
 
@@ -83,8 +83,8 @@ def writable_dirs(own: list[Path], siblings_of: list[Path], env: dict | None = N
 
     `own`: the shard's directories (always allowed, created first). `siblings_of`: directories holding other
     shards' directories; no allowed directory may be one of them or hold one. Shared places (the temp dir,
-    user caches) are allowed only when they hold none of them; otherwise the shard gets a private temp
-    directory inside its first own directory."""
+    user caches) are allowed only when they hold none of them; when the shared temp dir does, the shard
+    gets a private one inside its last own directory (the status dir)."""
     env = os.environ if env is None else env
     own = [Path(os.path.realpath(p)) for p in own]
     holds = [Path(os.path.realpath(p)) for p in siblings_of]
@@ -93,11 +93,11 @@ def writable_dirs(own: list[Path], siblings_of: list[Path], env: dict | None = N
     caches = [Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else home / ".cache", home / ".triton",
               home / ".nv", *(Path(env[k]) for k in ("TRITON_CACHE_DIR", "HF_HOME", "CUDA_CACHE_PATH",
                                                        "TORCHINDUCTOR_CACHE_DIR") if env.get(k))]
-    tmp = shared_tmp if not _beneath(shared_tmp, holds) else own[-1] / "tmp"
+    tmp = shared_tmp if not _holds_any(shared_tmp, holds) else own[-1] / "tmp"
     allowed = [*own, tmp, *_SYSTEM]
     for cache in caches:
         cache = Path(os.path.realpath(cache))
-        if not _beneath(cache, holds) and cache not in allowed:
+        if not _holds_any(cache, holds) and cache not in allowed:
             allowed.append(cache)
     return allowed, tmp
 
