@@ -4,7 +4,6 @@ directories, file modes, and secrets at rest and in flight."""
 from __future__ import annotations
 
 import json
-import posixpath
 import re
 import stat
 import sys
@@ -108,12 +107,9 @@ def injection(lab: Lab, case: Case, examples: int = 40) -> Outcome:
 
 def key_escape(lab: Lab, case: Case) -> Outcome:
     """Outputs whose prefix could escape (`..`, `.`, empty segments, control characters) are refused before any
-    launch; every key the uploader makes stays under its prefix; a journal in the store that names a path
-    (`../../x`) is refused by the reader, and by the worker that would resume from it."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from hsextract.journal import FILE_NAME
+    launch; a journal in the store that names a path (`../../x`) is refused by the reader, and by the worker
+    that would resume from it. (That every accepted prefix and name makes a key under the prefix is
+    tests/unit/test_keys.py's property, over 400 generated pairs.)"""
     from hsextract.upload import split_uri
 
     from .storagerows import Store
@@ -126,23 +122,6 @@ def key_escape(lab: Lab, case: Case) -> Outcome:
         except ValueError:
             pass
 
-    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(prefix=st.text(max_size=30), name=st.text(max_size=20))
-    def keys_stay_under(prefix, name):
-        try:
-            bucket, clean = split_uri(f"s3://bucket-x/{prefix}")
-        except ValueError:
-            return
-        if not FILE_NAME.fullmatch(name):
-            return
-        key = f"{clean}/shard-00000-of-00001/{name}" if clean else f"shard-00000-of-00001/{name}"
-        assert posixpath.normpath(key) == key and key.startswith(f"{clean}/" if clean else ""), (prefix, name, key)
-
-    try:
-        keys_stay_under()
-    except AssertionError as exc:
-        findings.append(f"key escaped: {exc}")
     store = Store(lab, case)
     try:
         kwargs = dict(hosts=case.inventory(("lo",)), aws_credentials=store.block)
@@ -176,8 +155,8 @@ def key_escape(lab: Lab, case: Case) -> Outcome:
     verdict = f"ESCAPED: {'; '.join(findings)}" if findings else observed(state2, why2)
     return case.finish(verdict, seconds, None, store.output, client=store.client,
                        rerun="Completed" if rerun.is_completed() else f"Failed: {why3}",
-                       note=f"prefix '..' refused before any launch ({seconds:.1f}s); 300 prefixes x names: every key "
-                            f"under its prefix; the reader too refused the tampered journal")
+                       note=f"prefix '..' refused before any launch ({seconds:.1f}s), 5 escaping prefixes refused; "
+                            f"the reader too refused the tampered journal")
 
 
 # ---------------------------------------------------------------------------------------------------------------
