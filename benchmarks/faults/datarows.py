@@ -7,6 +7,7 @@ import shutil
 
 from .lab import Case, Lab, Outcome, observed
 
+
 def bad_input(make_args):
     """A parameter or input that must be refused fast, naming it; the re-run uses good input."""
     def run(lab: Lab, case: Case) -> Outcome:

@@ -16,6 +16,7 @@ from typing import Callable
 from .lab import ROOT, Case, Lab, Outcome, observed
 from .storagerows import Store
 
+
 def wrapper(case: Case, body: str, name: str = "python") -> str:
     """An interpreter that passes deploy's checks (it execs the real one) but first does `body` when asked to
     extract (`python -m hsextract extract ...`: "$3" is extract)."""
@@ -232,7 +233,6 @@ def out_disk_full(lab: Lab, case: Case) -> Outcome:
         subprocess.run(["mount", "-o", "remount,size=256m", str(mount)], check=True)
         return case.finish(observed(state, why), None, {"hosts": case.inventory(("lo",), tag="fixed")}, output,
                            note="re-run after the disk grew")
-
 
 
 def hung(lab: Lab, case: Case) -> Outcome:

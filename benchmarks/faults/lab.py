@@ -291,7 +291,6 @@ def leftovers(since: float) -> int:
     return len(flows) + len(tasks)
 
 
-
 def print_table(rows: list[tuple[Row, Outcome]], out=sys.stdout) -> None:
     head = ("group", "fault", "expected", "observed", "detect s", "lost", "dup", "left", "re-run", "pass")
     print("| " + " | ".join(head) + " |", file=out)

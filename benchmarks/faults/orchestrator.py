@@ -13,7 +13,7 @@ import time
 from .hostrows import wrapper
 from .lab import FAST, Case, Lab, Outcome
 
-from deployments.local import flow_run_pid  # noqa: E402 - .lab puts the project root on sys.path
+from deployments.local import flow_run_pid, wait_until  # noqa: E402 - .lab puts the project root on sys.path
 
 POOL = "hsextract-faults"
 
@@ -99,14 +99,9 @@ class HeldRun:
             return client.read_flow_run(flow_run_id or self.run.id)
 
     def wait(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.25)
-        raise AssertionError(f"{self.case.run_name}: timed out after {timeout:.0f}s waiting for {what}; see "
-                             f"{self.stack.root / 'worker.log'}")
+        """`predicate()` once truthy (deployments.local.wait_until), naming this row and the worker's log."""
+        return wait_until(predicate, timeout, f"{self.case.run_name}: {what}", interval=0.25,
+                          context=lambda: f"see {self.stack.root / 'worker.log'}")
 
     def final(self, flow_run_id=None, timeout: float = 240):
         return self.wait(lambda: (lambda r: r if r.state and r.state.is_final() else None)(self.read(flow_run_id)),

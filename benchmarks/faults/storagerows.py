@@ -8,6 +8,7 @@ import time
 
 from .lab import Case, Lab, Outcome, observed
 
+
 class Store:
     """A bucket on the lab's moto behind a fault proxy, and a credentials block whose endpoint is the proxy."""
 
@@ -127,7 +128,6 @@ def object_deleted(lab: Lab, case: Case) -> Outcome:
                            note=f"deleted {victim}")
     finally:
         store.close()
-
 
 
 def spool_high_water(lab: Lab, case: Case) -> Outcome:
