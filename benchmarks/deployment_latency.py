@@ -23,12 +23,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from deployments.local import PrefectServer, flow_runs_for, run_events, start_worker, stop, wait_until  # noqa: E402
+from deployments.local import PrefectServer, start_worker, stop  # noqa: E402
+from harness.prefect import flow_runs_for, run_events, wait_until  # noqa: E402
 from hsextract import tiny  # noqa: E402
 
 FAST = {"heartbeat_interval_s": 1.0, "poll_interval_s": 0.5, "status_interval_s": 2.0, "token_budget": 2048}

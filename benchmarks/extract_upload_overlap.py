@@ -38,12 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))
-
-from hsextract.upload import BackgroundUploader, Spool, s3_client  # noqa: E402
-from tests.s3faults import FaultProxy  # noqa: E402
+from hsextract.upload import BackgroundUploader, Spool, s3_client
+from harness.s3proxy import FaultProxy
 
 
 def free_port() -> int:

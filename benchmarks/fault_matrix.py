@@ -20,7 +20,7 @@ A row passes when observed matches expected (and the reason holds the expected w
 completes (where a run had something to re-run), lost == dup == left == 0. `--fast` is the subset CI runs
 (tests/integration/test_fault_matrix.py). The process exits 1 if any row fails.
 
-The rows live in benchmarks/faults/: hostrows (deploy, launch, run), storagerows, datarows, orchestrator
+The rows live in tests/harness/faults/ (the test harness): hostrows (deploy, launch, run), storagerows, datarows, orchestrator
 (a served Prefect server, deployment and worker), abuse (injection, object keys, confinement, modes, secrets).
 """
 
@@ -28,95 +28,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from faults import abuse, datarows, hostrows, orchestrator, storagerows  # noqa: E402
-from faults.lab import Lab, Row, dataset_ids, print_notes, print_table, run_rows  # noqa: E402
-
-from hsextract import tiny  # noqa: E402
-
-H, S, D, O, A = hostrows, storagerows, datarows, orchestrator, abuse
-ROWS = [
-    Row("baseline", "clean", "no fault: two hosts, two shards", "Completed", (), H.clean_run),
-    Row("deploy", "put_fails", "workdir's parent is a file: the bundle put fails", "Failed",
-        ("host h1", "not-a-dir"), H.deploy_put_fails),
-    Row("deploy", "disk_full", "workdir on a 64 KiB tmpfs", "Failed", ("host lo", "KiB free on the disk"),
-        H.deploy_disk_full),
-    Row("deploy", "wrong_bundle", "the bundle arrives altered: wrong hash", "Failed",
-        ("wrong bundle hash", "HASH MISMATCH", "nothing unpacked"), H.wrong_bundle),
-    Row("deploy", "unknown_host_key", "the host's key is not in known_hosts", "Failed",
-        ("host h1", "not found in known_hosts", "nothing deployed"), H.host_key("unknown")),
-    Row("deploy", "changed_host_key", "the host's key changed (known_hosts holds another)", "Failed",
-        ("host h1", "BadHostKeyException", "nothing deployed"), H.host_key("changed")),
-    Row("launch", "no_output", "the worker prints nothing and never exits", "Failed",
-        ("shard 0/1 on h1", "STARTED"), H.launch_fault("sleep 3600")),
-    Row("launch", "exit_0", "the worker exits 0 at once, printing nothing", "Failed",
-        ("shard 0/1 on h1", "exited at once"), H.launch_fault("exit 0"), fast=True),
-    Row("launch", "no_interpreter", "the inventory's python does not exist", "Failed",
-        ("host h1", "/nonexistent/python3"), H.launch_fault(python="/nonexistent/python3")),
-    Row("launch", "import_error", "the worker dies on an ImportError", "Failed",
-        ("shard 0/1 on h1", "ModuleNotFoundError"),
-        H.launch_fault(f"exec {sys.executable} -c 'import hsx_missing_dependency'")),
-    Row("launch", "log_unwritable", "worker.log cannot be created", "Failed",
-        ("shard 0/1 on h1", "cannot create the worker log"), H.launch_fault(before=H.log_dir_unwritable)),
-    Row("launch", "duplicate", "the same run launched twice at once", "Completed", (), H.duplicate_launch),
-    Row("run", "kill9", "kill -9 of the worker mid-run", "Failed", ("shard 0/1 on h1", "lost"),
-        H.signal_mid_run(signal.SIGKILL), fast=True),
-    Row("run", "sigstop", "SIGSTOP of the worker mid-run", "Failed", ("shard 0/1 on h1", "stalled"),
-        H.signal_mid_run(signal.SIGSTOP)),
-    Row("run", "oom_kill", "the kernel OOM-kills the worker (memory cgroup)", "Failed",
-        ("shard 0/1 on lo", "lost", "kernel oom_kill count 1"), H.oom_kill),
-    Row("run", "hung", "the forward loop hangs, the heartbeat goes on", "Failed",
-        ("shard 0/1 on h1", "stalled: no progress"), H.hung),
-    Row("run", "cut_short", "host cut off for 2 s (host_timeout_s 5)", "Completed", (), H.cut_host(2)),
-    Row("run", "cut_long", "host cut off for 20 s (host_timeout_s 5); re-run elsewhere", "Failed",
-        ("shard 0/2 on h1", "host unreachable"), H.cut_host(20)),
-    Row("run", "reboot", "host reboot: processes gone, sshd down 2 s, files kept", "Failed",
-        ("shard 0/1 on h1",), H.reboot),
-    Row("run", "out_disk_full", "the output disk fills up mid-run (3 MiB tmpfs), then grows", "Failed",
-        ("shard 0/1 on lo", "No space left on device"), H.out_disk_full),
-    Row("storage", "s3_5xx_burst", "six 503/500 answers to batch PUTs", "Completed", (), S.storage_fault(S.burst())),
-    Row("storage", "s3_revoked", "credentials revoked (403) after 3 batch PUTs", "Failed", ("AccessDenied",),
-        S.storage_fault(S.revoke_after(3)), fast=True),
-    Row("storage", "s3_no_bucket", "the output bucket does not exist", "Failed",
-        ("NoSuchBucket", "before any launch"),
-        S.storage_fault(output_for=lambda store: "s3://hsx-no-such-bucket/run")),
-    Row("storage", "s3_object_deleted", "a stored batch object deleted after the run", "Failed",
-        ("missing",), S.object_deleted),
-    Row("storage", "corrupt_spooled", "a spooled batch file altered before its upload", "Failed",
-        ("sha256",), S.storage_fault(bandwidth=200_000, strike=S.corrupt_spooled)),
-    Row("storage", "spool_high_water", "upload slower than extraction: spool at its 512 KiB high-water mark",
-        "Completed", ("held", "paused"), S.spool_high_water),
-    Row("orchestrator", "flow_killed", "the flow-run process killed -9 mid-run (worker alive)", "Crashed",
-        ("status code: -9", "adopted the same worker pids"), O.flow_process_killed),
-    Row("orchestrator", "worker_killed", "the Prefect worker killed -9 mid-run", "Completed", (), O.worker_killed),
-    Row("orchestrator", "orchestrator_killed", "worker and flow-run process killed -9 at once", "Crashed",
-        ("no heartbeat", "adopted the same worker pids"), O.orchestrator_killed),
-    Row("orchestrator", "server_restart", "`prefect server` stopped and started again mid-run", "Completed", (),
-        O.server_restarted),
-    Row("data", "bad_lines", "malformed, empty, assistant-less, over-long lines and a repeated id", "Completed",
-        ("2 skipped with a reason",), D.bad_lines, fast=True),
-    Row("data", "missing_weights", "the model dir lacks a weights file", "Failed", ("safetensors",),
-        D.bad_input(D.model_missing_shard)),
-    Row("data", "layer_out_of_range", "layers=1,99 on an 8-layer model", "Failed", ("99",),
-        D.bad_input(lambda case: {"layers": "1,99"}), fast=True),
-    Row("abuse", "injection", "hypothesis values with shell payloads in every field of every remote command",
-        "Completed", ("canary never written",), A.injection, fast=True),
-    Row("abuse", "key_escape", "output prefix with '..'; a journal in the store naming ../../x", "Failed",
-        ("not a plain file name", "refused before any launch"), A.key_escape),
-    Row("abuse", "shard_confined", "shard 0's worker writes into shard 1's dirs", "Completed",
-        ("6 of 6 refused", "Landlock"), A.shard_confined, fast=True),
-    Row("abuse", "file_modes", "modes of everything the rows left on hosts and outputs", "Completed",
-        ("none open to others",), A.file_modes, rerun_needed=False),
-    Row("abuse", "secrets_at_rest", "keys of every storage row in files, Prefect records, reports, argv, env",
-        "Completed", ("(watched)",), A.secrets_at_rest, rerun_needed=False),  # last: it searches what the rows left
-]
+from harness.faults import ROWS
+from harness.faults.lab import Lab, dataset_ids, print_notes, print_table, run_rows
+from hsextract import tiny
 
 
 def main() -> int:
@@ -131,7 +50,7 @@ def main() -> int:
     from moto.server import ThreadedMotoServer
     from prefect.testing.utilities import prefect_test_harness
 
-    from sshhosts import SshdFarm
+    from harness.sshd import SshdFarm
 
     for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):

@@ -3,6 +3,9 @@
     python3 benchmarks/gpu_flow.py [--model-layers 4] [--samples 240] [--shards-per-gpu 1] [--json FILE]
     python3 benchmarks/gpu_flow.py --tiny --device cpu      # the same steps on the tiny model, no GPU
 
+Imports the project's packages by name: installed (`pip install -e .`), or on a machine where it is not
+(the GPU device), with `PYTHONPATH=src:.:tests` (hsextract; tasks, flows, deployments; harness).
+
 The inventory is this machine (`hostname: local`), one entry per GPU slot: every GPU `nvidia-smi -L` lists,
 `--shards-per-gpu` times (on a one-GPU machine, 2 shards then share it). A Qwen3.6-27B-shaped stack with
 random bf16 weights (gpu_throughput.build_model) and a pre-tokenized lognormal dataset are built first.
@@ -32,9 +35,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "src", ROOT / "benchmarks", ROOT / "tests"):
-    sys.path.insert(0, str(path))
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -61,7 +61,7 @@ def environ_of(pid: int) -> dict[str, str]:
 
 
 def inventory(work: Path, slots: list[int], tag: str) -> str:
-    from helpers import write_inventory
+    from harness.inventory import write_inventory
 
     hosts = [{"name": f"gpu{gpu}-{i}", "hostname": "local", "gpus": [gpu], "workdir": str(work / f"w-{tag}-{i}"),
               "python": sys.executable} for i, gpu in enumerate(slots)]
@@ -185,12 +185,11 @@ def main() -> int:
         data = tiny.build_dataset(work / "data.jsonl", args.samples, seed=3)
     else:  # in a child: this process must hold no CUDA context (nvidia-smi would list it with the workers)
         model, data = work / "model", work / "data.jsonl"
-        subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = sys.argv[1:3]; "
+        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "  # run in benchmarks/
                         "from gpu_throughput import build_data, build_model; "
-                        "build_model(__import__('pathlib').Path(sys.argv[3]), int(sys.argv[4])); "
-                        "build_data(__import__('pathlib').Path(sys.argv[5]), int(sys.argv[6]))",
-                        str(ROOT / "benchmarks"), str(ROOT / "src"), str(model), str(args.model_layers), str(data),
-                        str(args.samples)], check=True)
+                        "build_model(Path(sys.argv[1]), int(sys.argv[2])); build_data(Path(sys.argv[3]), int(sys.argv[4]))",
+                        str(model), str(args.model_layers), str(data),
+                        str(args.samples)], check=True, cwd=Path(__file__).parent)
     report = {"gpus": gpus, "shards_per_gpu": per_gpu, "slots": slots, "model_layers": args.model_layers,
               "layers": args.layers, "samples": args.samples, "confine": args.confine,
               "build_s": round(time.monotonic() - started, 1)}

@@ -35,13 +35,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from hsextract import tiny  # noqa: E402
-from hsextract.batchfile import write_batch  # noqa: E402
-from hsextract.batching import pack, padded_tokens  # noqa: E402
-from hsextract.capture import LayerCapture  # noqa: E402
-from hsextract.layers import parse_layer_spec  # noqa: E402
+from hsextract import tiny
+from hsextract.batchfile import write_batch
+from hsextract.batching import pack, padded_tokens
+from hsextract.capture import LayerCapture
+from hsextract.layers import parse_layer_spec
 
 VOCAB = 32000
 

@@ -20,15 +20,13 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from helpers import ssh_host_entry, write_inventory  # noqa: E402
-from sshhosts import SshdFarm  # noqa: E402
+from harness.inventory import ssh_host_entry, write_inventory  # noqa: E402
+from harness.sshd import SshdFarm  # noqa: E402
 
-from flows.extract import extract  # noqa: E402
+from flows.extract import ROOT, extract  # noqa: E402
 from tasks.bundle import build_bundle  # noqa: E402
 from tasks.deploy import deploy_host  # noqa: E402
 from tasks.hosts import connect  # noqa: E402

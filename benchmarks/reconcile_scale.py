@@ -14,16 +14,12 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]
-
-from hsextract.sharding import shard_of  # noqa: E402
-from tasks.reconcile import INDEX_NAME, LocalStore, dataset_ids, reconcile_output  # noqa: E402
+from hsextract.sharding import shard_of
+from tasks.reconcile import INDEX_NAME, LocalStore, dataset_ids, reconcile_output
 
 
 def build(root: Path, samples: int, objects: int, shards: int) -> Path:

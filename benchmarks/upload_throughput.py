@@ -13,15 +13,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from hsextract.upload import s3_client, upload_verified  # noqa: E402
+from hsextract.upload import s3_client, upload_verified
 
 PART = 8 << 20
 

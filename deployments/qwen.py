@@ -24,11 +24,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from flows.extract import PARAMETERS, RERUN_EVENT, extract  # noqa: E402
+from flows.extract import PARAMETERS, RERUN_EVENT, ROOT, extract
 
 POOL = "hsextract"
 #: the Qwen3.6-27B DFlash recipe (64 layers: dflash:5 = 1,16,31,46,61)

@@ -11,7 +11,6 @@ import concurrent.futures as cf
 import contextvars
 import hashlib
 import re
-import sys
 import threading
 import time
 from collections import deque
@@ -23,21 +22,19 @@ from prefect.events import emit_event
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `prefect deployment run` starts flows with the project root elsewhere
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: what the code bundle pushed to the hosts is made of
 
-from tasks.board import Board, read_table, run_key  # noqa: E402
-from tasks.bundle import build_bundle  # noqa: E402
-from tasks.commands import RUN_NAME_PATTERN  # noqa: E402
-from tasks.deploy import deploy  # noqa: E402
-from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory  # noqa: E402
-from tasks.orphans import close_orphaned_task_runs  # noqa: E402
-from tasks.reconcile import reconcile  # noqa: E402
-from tasks.shards import Policy, ShardJob, forget_credentials, launch, supervise  # noqa: E402
-from tasks.credentials import load_access  # noqa: E402
-from hsextract.journal import shard_dir_name  # noqa: E402
-from hsextract.upload import split_uri  # noqa: E402
+from tasks.board import Board, read_table, run_key
+from tasks.bundle import build_bundle
+from tasks.commands import RUN_NAME_PATTERN
+from tasks.deploy import deploy
+from tasks.inventory import Inventory, InventoryError, load_inventory, parse_inventory
+from tasks.orphans import close_orphaned_task_runs
+from tasks.reconcile import reconcile
+from tasks.shards import Policy, ShardJob, forget_credentials, launch, supervise
+from tasks.credentials import load_access
+from hsextract.journal import shard_dir_name
+from hsextract.upload import split_uri
 
 
 class RunIncomplete(Exception):

@@ -9,8 +9,6 @@ import pytest
 
 from hsextract import tiny
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
@@ -26,7 +24,7 @@ def dataset(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def farm():
     """Real OpenSSH servers: two hosts in their own network namespaces (loopback if unavailable) + one on lo."""
-    from sshhosts import SshdFarm
+    from harness.sshd import SshdFarm
 
     with SshdFarm() as farm:
         farm.add_host("h1", netns=True)

@@ -97,7 +97,8 @@ def confine_shard(cfg, mode: str):
     return confine(own, holds, mode)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, capture=None) -> int:
+    """`hsextract` with `argv` (default: the process's); returns the exit code. `capture`: see `run_shard`."""
     args = build_parser().parse_args(argv)
     if args.command == "extract":
         from .liveness import announce_start
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         from .extract import run_shard  # imports torch
 
         try:
-            return run_shard(cfg, heartbeat)
+            return run_shard(cfg, heartbeat, **({"capture": capture} if capture else {}))
         finally:
             forget_credentials(cfg.status_path)
     if args.command == "inspect":

@@ -35,11 +35,6 @@ from .quant import FP8_ENCODING, SCALE_KEY, quantize
 from .staging import HostStaging
 from .status import ProgressReporter
 
-# Fault injection for tests: raise CUDA-style OOM for any batch padded above this many tokens.
-OOM_ABOVE_ENV = "HSEXTRACT_FAULT_OOM_ABOVE_TOKENS"
-# Fault injection for tests: before each forward pass, wait while this path exists (a shard held alive,
-# heartbeating, mid-run, for as long as a test needs).
-HOLD_ENV = "HSEXTRACT_FAULT_HOLD_WHILE"
 BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to the writer thread
 
 
@@ -56,8 +51,9 @@ class Prepared:
 class ShardRun:
     """Runs one shard to completion; `run()` returns the summary or raises (the journal stays valid)."""
 
-    def __init__(self, cfg: ExtractConfig, progress: Progress):
+    def __init__(self, cfg: ExtractConfig, progress: Progress, capture=LayerCapture):
         self.cfg = cfg
+        self.make_capture = capture  # the model's forward: a seam where tests inject faults (harness.faulty)
         self.progress = progress
         self.skips: Counter[str] = Counter()
         self.stop_signal: str | None = None
@@ -114,7 +110,7 @@ class ShardRun:
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
         device = resolve_device(cfg.device)
-        capture = LayerCapture(cfg.model, layer_ids, cfg.include_last, device, resolve_dtype(cfg.dtype, device))
+        capture = self.make_capture(cfg.model, layer_ids, cfg.include_last, device, resolve_dtype(cfg.dtype, device))
         encoder = ChatEncoder(load_tokenizer(cfg.model), capture.info.vocab_size, cfg.max_length, cfg.overlong)
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": cfg.model.name,
@@ -215,11 +211,6 @@ class ShardRun:
         while todo:
             part = todo.pop()
             try:
-                while os.environ.get(HOLD_ENV) and os.path.exists(os.environ[HOLD_ENV]):
-                    time.sleep(0.1)
-                limit = os.environ.get(OOM_ABOVE_ENV)
-                if limit is not None and padded_tokens(part) > int(limit):
-                    raise torch.OutOfMemoryError(f"injected by {OOM_ABOVE_ENV}={limit}")
                 states = capture.run([s.input_ids for s in part])
                 states[BAD_KEY] = self.nonfinite_flags(part, states)
                 if self.cfg.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
@@ -539,12 +530,13 @@ def install_signal_handlers(shard: ShardRun) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def run_shard(cfg: ExtractConfig, heartbeat: Heartbeat | None = None) -> int:
+def run_shard(cfg: ExtractConfig, heartbeat: Heartbeat | None = None, capture=LayerCapture) -> int:
     """The body of `hsextract extract` after the STARTED line: returns the process exit code.
 
-    `heartbeat`, when given, is already beating (the CLI starts it before torch is imported)."""
+    `heartbeat`, when given, is already beating (the CLI starts it before torch is imported). `capture` makes
+    the object that loads the model and runs the forward pass (`LayerCapture`'s signature and `run`)."""
     progress = heartbeat.progress if heartbeat else Progress(cfg.shard, cfg.num_shards, __version__)
-    shard = ShardRun(cfg, progress)
+    shard = ShardRun(cfg, progress, capture)
     install_signal_handlers(shard)
     started = heartbeat is not None
     heartbeat = heartbeat or Heartbeat(cfg.status_path, progress, cfg.heartbeat_interval)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import hsextract
 from hsextract.liveness import EXIT_NAME, HEARTBEAT_NAME
 
-from helpers import extract_cmd, run_extract, summary_of
+from harness.worker import extract_cmd, run_extract, summary_of
 
 
 def test_version():

@@ -22,7 +22,9 @@ import hsextract
 from hsextract import tiny
 from hsextract.layers import dflash_layer_ids
 
-from helpers import dataset_ids, write_inventory
+from harness import faulty
+from harness.inventory import write_inventory
+from harness.worker import dataset_ids
 
 POOL = "hsextract-test"
 FAST = {"heartbeat_interval_s": 0.5, "poll_interval_s": 0.3, "launch_timeout_s": 30, "stall_timeout_s": 30,
@@ -91,7 +93,7 @@ def client():
 
 def runs_of(run_name: str) -> list:
     """Flow runs of extract/qwen for `run_name`, oldest first."""
-    from deployments.local import flow_runs_for
+    from harness.prefect import flow_runs_for
 
     with client() as c:
         return flow_runs_for(c, run_name, "qwen")
@@ -110,7 +112,7 @@ def wait_final(flow_run_id, timeout: float = 240, served: Served | None = None):
 
 
 def wait_for(predicate, timeout: float, what: str, served: Served | None = None):
-    from deployments.local import wait_until
+    from harness.prefect import wait_until
 
     return wait_until(predicate, timeout, what, context=served.worker_log if served else lambda: "")
 
@@ -130,7 +132,7 @@ def task_names(flow_run_id) -> set[str]:
 
 
 def events(prefix: str, run_name: str) -> list:
-    from deployments.local import run_events
+    from harness.prefect import run_events
 
     with client() as c:
         return run_events(c, prefix, run_name)
@@ -146,12 +148,12 @@ def table(run_name: str) -> dict[int, dict]:
     return {row["shard"]: row for row in json.loads(artifact.data)}
 
 
-def silent_python(tmp: Path, shard: int, once: bool, extra_env: str = "") -> str:
+def silent_python(tmp: Path, shard: int, once: bool) -> str:
     """An interpreter that passes deploy's checks but, asked to extract `shard`, exits 0 printing nothing."""
     mark = tmp / f"failed-once-{shard}"
     guard = f' && [ ! -e {mark} ]' if once else ""
     wrapper = tmp / f"python-silent-{shard}-{'once' if once else 'always'}"
-    wrapper.write_text(f"#!/bin/sh\n{extra_env}"
+    wrapper.write_text("#!/bin/sh\n"
                        f"case \" $* \" in *\" extract \"*\" --shard {shard} \"*) true{guard} "
                        f"&& {{ {'touch ' + str(mark) + '; ' if once else ''}exit 0; }} ;; esac\n"
                        f"exec {sys.executable} \"$@\"\n")
@@ -283,12 +285,12 @@ def _shard_workers(out: Path) -> Counter:
 
 
 def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(served):
-    from deployments.local import flow_run_pid
+    from harness.prefect import flow_run_pid
 
     out = served.root / "out-phoenix"
     hold = served.root / "hold-phoenix"
     hold.touch()  # the shards wait at their first batch, alive and heartbeating, until the test lets go
-    held = silent_python(served.root, shard=99, once=False, extra_env=f"export HSEXTRACT_FAULT_HOLD_WHILE={hold}\n")
+    held = faulty.python_for(served.root / "python-held-phoenix", {faulty.HOLD_WHILE: str(hold)})
     hosts = served.inventory("phoenix", python=held)
     flow_run = start("phoenix", output=f"file://{out}", hosts=hosts, token_budget=256)
     wait_for(lambda: {e.payload["shard"] for e in events("extract.shard.running", "phoenix")} == {0, 1}, 120,

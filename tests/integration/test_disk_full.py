@@ -13,7 +13,7 @@ import hsextract
 from hsextract.batchfile import sha256_file
 from hsextract.journal import read_entries
 
-from helpers import dataset_ids, run_extract, summary_of
+from harness.worker import dataset_ids, run_extract, summary_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
 

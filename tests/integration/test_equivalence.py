@@ -12,7 +12,7 @@ import hsextract
 from hsextract import tiny
 from hsextract.batchfile import BatchFile
 
-from helpers import dataset_ids, run_extract, summary_of
+from harness.worker import dataset_ids, run_extract, summary_of
 
 LAYERS = [1, 3, 6]
 

@@ -21,7 +21,8 @@ from flows.extract import extract
 from hsextract import tiny
 from tasks.reconcile import INDEX_NAME, SUCCESS_NAME
 
-from helpers import dataset_ids, ssh_host_entry, write_inventory
+from harness.worker import dataset_ids
+from harness.inventory import ssh_host_entry, write_inventory
 
 FAST = dict(heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
             host_timeout_s=10)

@@ -10,7 +10,7 @@ import hsextract
 from hsextract.batchfile import BatchFile
 from hsextract.quant import FP8_ENCODING, dequantize, quantize
 
-from helpers import run_extract, summary_of
+from harness.worker import run_extract, summary_of
 
 
 def test_quantize_round_trip_bounds_the_error_per_element():

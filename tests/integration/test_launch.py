@@ -17,7 +17,7 @@ from tasks.hosts import HostError, SshHost, connect
 from tasks.inventory import parse_inventory
 from tasks.shards import Policy, ShardFailed, ShardJob, launch_shard, probe, supervise_shard
 
-from helpers import ssh_host_entry, write_inventory
+from harness.inventory import ssh_host_entry, write_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 1.0

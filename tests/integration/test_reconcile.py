@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from helpers import dataset_ids, run_extract, summary_of
+from harness.worker import dataset_ids, run_extract, summary_of
 from tasks.reconcile import INDEX_NAME, SUCCESS_NAME, LocalStore, dataset_ids as ids_of, reconcile_output
 
 from hsextract.reader import read_samples

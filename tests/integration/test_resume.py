@@ -13,7 +13,7 @@ import hsextract
 from hsextract import tiny
 from hsextract.journal import read_entries, scan_output
 
-from helpers import dataset_ids, extract_cmd, run_extract, summary_of
+from harness.worker import dataset_ids, extract_cmd, run_extract, summary_of
 
 
 @pytest.fixture(scope="module")

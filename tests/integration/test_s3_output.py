@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from helpers import dataset_ids, run_extract, summary_of
-from s3faults import FaultProxy
+from harness.worker import dataset_ids, run_extract, summary_of
+from harness.s3proxy import FaultProxy
 from tasks.reconcile import S3Store, dataset_ids as ids_of, reconcile_output
 
 

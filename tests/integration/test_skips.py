@@ -12,7 +12,8 @@ import hsextract
 from hsextract import tiny
 from hsextract.journal import read_entries
 
-from helpers import run_extract, summary_of
+from harness import faulty
+from harness.worker import run_extract, summary_of
 
 NAN_TOKEN = 300
 
@@ -110,8 +111,8 @@ def test_oom_splits_batch_and_skips_only_what_cannot_fit(tiny_model, tmp_path):
     lines.append(json.dumps({"id": "huge", "input_ids": list(range(10, 210)), "loss_mask": [1] * 200}))
     data = write_lines(tmp_path / "data.jsonl", lines)
     out = tmp_path / "out"
-    proc = run_extract(tiny_model, data, out, 0, 1, "--token-budget", "4096",
-                       env={"HSEXTRACT_FAULT_OOM_ABOVE_TOKENS": "100"})
+    proc = run_extract(tiny_model, data, out, 0, 1, "--token-budget", "4096", module="harness.faulty",
+                       env={faulty.OOM_ABOVE_TOKENS: "100"})
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["skipped"] == {"oom": 1}

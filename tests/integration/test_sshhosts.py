@@ -1,4 +1,4 @@
-"""The sshd farm test harness (tests/sshhosts.py) against the real OpenSSH client."""
+"""The sshd farm test harness (tests/harness/sshd.py) against the real OpenSSH client."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import sshhosts
-from sshhosts import SshdFarm, SshHost
+import harness.sshd as sshhosts
+from harness.sshd import SshdFarm, FarmHost
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +21,7 @@ NEEDS_NETNS = pytest.mark.skipif(not sshhosts.netns_supported(),
                                  reason="network namespaces unavailable (need root and a working `ip netns`/veth)")
 
 
-def ssh(host: SshHost, *remote: str, timeout: float = 20, **kw) -> subprocess.CompletedProcess:
+def ssh(host: FarmHost, *remote: str, timeout: float = 20, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(host.ssh_argv(*remote, **kw), capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
@@ -42,23 +42,23 @@ def farm():
 
 
 @pytest.fixture(scope="module")
-def lo_host(farm) -> SshHost:
+def lo_host(farm) -> FarmHost:
     return farm.add_host("lo1")
 
 
 @pytest.fixture(scope="module")
-def lo2(farm) -> SshHost:
+def lo2(farm) -> FarmHost:
     return farm.add_host("lo2")
 
 
 @pytest.fixture
-def any_ns_host(farm, request) -> SshHost | None:
+def any_ns_host(farm, request) -> FarmHost | None:
     """A netns host when available, else None (for tests that also hold without namespaces)."""
     return request.getfixturevalue("ns_hosts")[1] if farm.netns_available else None
 
 
 @pytest.fixture(scope="module")
-def ns_hosts(farm) -> tuple[SshHost, SshHost]:
+def ns_hosts(farm) -> tuple[FarmHost, FarmHost]:
     if not farm.netns_available:
         pytest.skip("network namespaces unavailable (need root and a working `ip netns`/veth)")
     return farm.add_host("ns1", netns=True), farm.add_host("ns2", netns=True)
@@ -224,7 +224,7 @@ def gone(pid: int) -> bool:
 
 CRASHER = """
 import json, sys, time
-import sshhosts
+import harness.sshd as sshhosts
 f = sshhosts.SshdFarm()
 hosts = [f.add_host("a")] + ([f.add_host("b", netns=True)] if f.netns_available else [])
 print(json.dumps({"dir": str(f.directory), "pids": [h.sshd_pid for h in hosts],
@@ -234,8 +234,7 @@ time.sleep(120)
 
 
 def test_leftovers_of_a_killed_process_are_cleaned():
-    proc = subprocess.Popen([sys.executable, "-c", CRASHER], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(sshhosts.__file__).parent)})
+    proc = subprocess.Popen([sys.executable, "-c", CRASHER], stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(proc.stdout.readline())
     finally:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from helpers import run_extract
-from s3faults import FaultProxy
+from harness.worker import run_extract
+from harness.s3proxy import FaultProxy
 
 from hsextract.upload import CorruptFile, s3_client, upload_verified
 

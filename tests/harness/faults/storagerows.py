@@ -17,7 +17,7 @@ class Store:
 
         import boto3
         from prefect_aws import AwsCredentials
-        from s3faults import FaultProxy
+        from harness.s3proxy import FaultProxy
 
         self.proxy = FaultProxy(lab.s3_url, rule, bandwidth).start()
         self.bucket = f"hsx-{case.run_name.replace('_', '-')}"

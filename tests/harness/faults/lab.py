@@ -17,14 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[2]
-for _path in (str(ROOT / "src"), str(ROOT / "tests"), str(ROOT)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from helpers import ssh_host_entry, write_inventory  # noqa: E402
-
-from hsextract import tiny  # noqa: E402
+from harness.inventory import ssh_host_entry, write_inventory
+from hsextract import tiny
 
 HEARTBEAT_S = 0.5
 FAST = dict(heartbeat_interval_s=HEARTBEAT_S, poll_interval_s=0.25, launch_timeout_s=15, stall_timeout_s=2.0,

@@ -1,4 +1,4 @@
-"""Helpers for tests that drive the real CLI as a subprocess."""
+"""The real worker CLI (`python -m hsextract extract`) as a subprocess, and what it printed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 
 def extract_cmd(model: Path, data: Path, out: Path, shard: int, num_shards: int, *extra: str,
-                layers: str = "1,3,6") -> list[str]:
-    return [sys.executable, "-m", "hsextract", "extract", "--model", str(model), "--data", str(data),
+                layers: str = "1,3,6", module: str = "hsextract") -> list[str]:
+    """`python -m hsextract extract ...` (or `-m harness.faulty` for a worker with injected faults)."""
+    return [sys.executable, "-m", module, "extract", "--model", str(model), "--data", str(data),
             "--out", str(out), "--layers", layers, "--shard", str(shard), "--num-shards", str(num_shards),
             "--heartbeat-interval", "0.2", *extra]
 
@@ -30,17 +31,3 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
 
 def dataset_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_inventory(path: Path, hosts: list[dict], **top) -> Path:
-    """Inventory YAML from dicts (see tasks/inventory.py); returns its path."""
-    import yaml
-
-    path.write_text(yaml.safe_dump({**top, "hosts": hosts}))
-    return path
-
-
-def ssh_host_entry(farm_host, workdir: Path, gpus=(0, 1), python: str | None = None, **extra) -> dict:
-    return {"name": farm_host.name, "hostname": farm_host.hostname, "port": farm_host.port, "user": farm_host.user,
-            "key_filename": str(farm_host.key_filename), "known_hosts": str(farm_host.known_hosts),
-            "gpus": list(gpus), "workdir": str(workdir), "python": python or sys.executable, **extra}

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-__all__ = ["SshHost", "SshdFarm", "SshdError", "netns_supported", "clean_stale"]
+__all__ = ["FarmHost", "SshdFarm", "SshdError", "netns_supported", "clean_stale"]
 
 SSHD = "/usr/sbin/sshd"
 NS_PREFIX = "hsx-"
@@ -52,7 +52,7 @@ class SshdError(RuntimeError):
 
 
 @dataclass
-class SshHost:
+class FarmHost:
     """One reachable sshd: where it listens, how to log in, and how to verify it."""
 
     name: str
@@ -282,9 +282,6 @@ def clean_stale() -> list[str]:
     return removed
 
 
-clean_stale_namespaces = clean_stale  # the name an earlier revision exported
-
-
 def _used_subnets() -> set[int]:
     """Third octets of 10.251.X.* addresses and hsxvX links already present in the root namespace."""
     used: set[int] = set()
@@ -305,7 +302,7 @@ def _used_subnets() -> set[int]:
 
 @dataclass
 class _HostState:
-    host: SshHost
+    host: FarmHost
     dir: Path
     config: Path
     log: Path
@@ -379,11 +376,11 @@ class SshdFarm:
         return netns_supported()
 
     @property
-    def hosts(self) -> dict[str, SshHost]:
+    def hosts(self) -> dict[str, FarmHost]:
         """Name -> host, in the order they were added (a copy)."""
         return {n: s.host for n, s in self._hosts.items()}
 
-    def host(self, name: str) -> SshHost:
+    def host(self, name: str) -> FarmHost:
         """The host called ``name``."""
         return self._state(name).host
 
@@ -405,7 +402,7 @@ class SshdFarm:
 
     # ---- hosts ----------------------------------------------------------------------------------------------------
 
-    def add_host(self, name: str, netns: bool = False) -> SshHost:
+    def add_host(self, name: str, netns: bool = False) -> FarmHost:
         """Start an sshd for a new host and wait until ``ssh host true`` works.
 
         ``netns=False``: 127.0.0.1 on a free port. ``netns=True``: its own network namespace joined to ours by a veth
@@ -419,7 +416,7 @@ class SshdFarm:
         hdir.mkdir(parents=True)
         host_key = hdir / "ssh_host_ed25519_key"
         pub = _keygen(host_key, f"hsx-host-{name}")
-        host = SshHost(name=name, hostname="127.0.0.1", port=0, user=self.user, key_filename=self.user_key,
+        host = FarmHost(name=name, hostname="127.0.0.1", port=0, user=self.user, key_filename=self.user_key,
                        known_hosts=self.known_hosts, netns=None, sshd_pid=0, host_public_key=pub)
         st = _HostState(host=host, dir=hdir, config=hdir / "sshd_config", log=hdir / "sshd.log")
         self._hosts[name] = st
@@ -563,7 +560,7 @@ class SshdFarm:
             last = f"ssh true rc={r.returncode}: {r.stderr.strip()}"
             time.sleep(0.1)
 
-    def start(self, name: str) -> SshHost:
+    def start(self, name: str) -> FarmHost:
         """(Re)start a stopped host's sshd with the same address, port and host key (SshdError if the loopback
         port was taken meanwhile)."""
         st = self._state(name)

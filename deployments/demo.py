@@ -1,4 +1,4 @@
-"""The embedded default, end to end: `python -m flows.demo [--hosts inventory.yaml] [--served]`.
+"""The embedded default, end to end: `python -m deployments.demo [--hosts inventory.yaml] [--served]`.
 
 Builds a tiny random Qwen3.5 hybrid model and a chat dataset, runs the `extract` flow on this machine
 (the local host, two slots) or on the SSH hosts of an inventory, writes to local storage (file://), then
@@ -16,10 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from flows.extract import extract  # noqa: E402
+from flows.extract import ROOT, extract
 
 DEMO = dict(layers="dflash:3", token_budget=2048, heartbeat_interval_s=1.0, poll_interval_s=0.5)
 

@@ -1,7 +1,7 @@
 """Rows that fault the orchestrator as users run it: `prefect server start`, the `extract/qwen` deployment and
 automations registered by deployments/qwen.py, and `prefect worker start`. The flow-run process, the worker,
-both, or the server die mid-run while the shards are held alive at their first batch (the worker's
-HSEXTRACT_FAULT_HOLD_WHILE knob), so every fault lands at the same point of the run."""
+both, or the server die mid-run while the shards are held alive at their first batch (harness.faulty's
+HSX_HOLD_WHILE), so every fault lands at the same point of the run."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import os
 import signal
 import time
 
-from .hostrows import wrapper
+from .. import faulty
 from .lab import FAST, Case, Lab, Outcome
 
-from deployments.local import flow_run_pid, wait_until  # noqa: E402 - .lab puts the project root on sys.path
+from harness.prefect import flow_run_pid, wait_until
 
 POOL = "hsextract-faults"
 
@@ -81,7 +81,7 @@ class HeldRun:
         self.case, self.stack = case, stack
         self.hold = case.base / "hold"
         self.hold.touch()
-        python = wrapper(case, f"export HSEXTRACT_FAULT_HOLD_WHILE={self.hold}")
+        python = faulty.python_for(case.base / "python-held", {faulty.HOLD_WHILE: str(self.hold)})
         self.params = {**FAST, "model": str(lab.model), "data": str(case.data), "output": case.local_out(),
                        "hosts": case.inventory(("lo",), gpus=(0, 1), lo={"python": python}),
                        "run_name": case.run_name, "layers": "1,3", "dtype": "auto", "token_budget": 128}
@@ -109,7 +109,7 @@ class HeldRun:
 
     def rerun(self):
         """The run the automations started after this one (same run name), once it exists."""
-        from deployments.local import flow_runs_for
+        from harness.prefect import flow_runs_for
         from prefect.client.orchestration import get_client
 
         def other():

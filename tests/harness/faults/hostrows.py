@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .lab import ROOT, Case, Lab, Outcome, observed
+from .. import faulty
+from .lab import Case, Lab, Outcome, observed
 from .storagerows import Store
 
 
@@ -177,6 +178,7 @@ def wrong_bundle(lab: Lab, case: Case) -> Outcome:
     """The bundle's bytes arrive altered (its hash no longer matches): nothing of it may be unpacked or run."""
     import dataclasses
 
+    from flows.extract import ROOT
     from tasks.bundle import build_bundle
     from tasks.deploy import DeployFailed, deploy_host
     from tasks.hosts import connect
@@ -239,7 +241,7 @@ def hung(lab: Lab, case: Case) -> Outcome:
     """The forward loop hangs (a wedged GPU, a deadlock) while the heartbeat thread goes on beating."""
     hold = case.base / "hold"
     hold.touch()
-    py = wrapper(case, f"export HSEXTRACT_FAULT_HOLD_WHILE={hold}")
+    py = faulty.python_for(case.base / "python-held", {faulty.HOLD_WHILE: str(hold)})
     box = case.flow_in_thread(output=case.local_out(), hosts=case.inventory(h1={"python": py}), token_budget=128,
                               progress_timeout_s=4)
     case.wait_extracting("h1", files=0)

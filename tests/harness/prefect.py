@@ -1,0 +1,52 @@
+"""Reading a Prefect server the way the tests and benchmarks must: wait for a condition, the project's events
+of a run, the flow runs of a run name, and the process that executes a flow run on this machine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.5, context=lambda: ""):
+    """`predicate()` once it is truthy; AssertionError naming `what` (and `context()`) after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{context()}")
+
+
+def run_events(client, prefix: str, run_name: str) -> list:
+    """Events named `prefix`* whose payload is about `run_name` (extract.shard.*, extract.run.*), oldest first."""
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    found, page = [], client.read_events(EventFilter(event=EventNameFilter(prefix=[prefix])), limit=50)
+    while page is not None:
+        found += [e for e in page.events if e.payload.get("run_name") == run_name]
+        page = client.read_events_page(page.next_page) if page.next_page else None
+    return sorted(found, key=lambda e: e.occurred)
+
+
+def flow_runs_for(client, run_name: str, deployment: str | None = None) -> list:
+    """Flow runs whose `run_name` parameter is `run_name` (of deployment `deployment` if given), oldest first."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    found = client.read_flow_runs(limit=200, deployment_filter=DeploymentFilter(
+        name=DeploymentFilterName(any_=[deployment])) if deployment else None)
+    return sorted((r for r in found if (r.parameters or {}).get("run_name") == run_name), key=lambda r: r.created)
+
+
+def flow_run_pid(flow_run_id) -> int:
+    """The pid of the process executing a flow run on this machine (a worker puts the id in its environment)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+            return int(proc.name)
+    raise LookupError(f"no process on this machine runs flow run {flow_run_id}")
