@@ -38,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsextract.upload import BackgroundUploader, Spool, s3_client
+from hsextract.store import S3Store, s3_client
+from hsextract.upload import BackgroundUploader, Spool
 from harness.s3proxy import FaultProxy
 
 
@@ -76,7 +77,7 @@ def measure(name: str, endpoint: str, common: tuple, work: Path, repeats: int) -
         r["alone_loop"].append(summary["extract_s"])
         shard = local / "shard-00000-of-00001"
         started = time.monotonic()  # the worker's own uploader, every file submitted at once
-        uploader = BackgroundUploader(client, f"s3://overlap/{name}-alone-{rep}", shard, Spool(1 << 40, 1 << 40),
+        uploader = BackgroundUploader(S3Store(f"s3://overlap/{name}-alone-{rep}", client), shard, Spool(1 << 40, 1 << 40),
                                       part_size=8 << 20)
         for e in journal_files(shard):
             uploader.submit(e)

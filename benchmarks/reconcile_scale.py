@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from hsextract.sharding import shard_of
-from tasks.reconcile import INDEX_NAME, LocalStore, dataset_ids, reconcile_output
+from hsextract.store import LocalStore
+from tasks.reconcile import INDEX_NAME, dataset_ids, reconcile_output
 
 
 def build(root: Path, samples: int, objects: int, shards: int) -> Path:

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsextract.upload import s3_client, upload_verified
+from hsextract.store import s3_client
+from hsextract.upload import upload_verified
 
 PART = 8 << 20
 

@@ -33,8 +33,7 @@ from tasks.orphans import close_orphaned_task_runs
 from tasks.reconcile import reconcile
 from tasks.shards import Policy, ShardJob, forget_credentials, launch, supervise
 from tasks.credentials import load_access
-from hsextract.journal import shard_dir_name
-from hsextract.upload import split_uri
+from hsextract.store import NoSuchBucket, open_store, scan, split_uri
 
 
 class RunIncomplete(Exception):
@@ -93,41 +92,18 @@ def worker_args(model, data, out, layers, max_length, token_budget, device, hear
     return tuple(args)
 
 
-def _ends_done(journal: bytes) -> bool:
-    return journal.rstrip().rsplit(b"\n", 1)[-1].startswith(b'{"kind":"done"')
-
-
-def _done_locally(out_dir: str, num_shards: int) -> set[int]:
-    """Shards whose journal (visible from here) ends with `done`: skipped without touching a host."""
-    done = set()
-    for shard in range(num_shards):
-        journal = Path(out_dir) / f"shard-{shard:05d}-of-{num_shards:05d}" / "journal.jsonl"
-        if journal.is_file() and _ends_done(journal.read_bytes()):
-            done.add(shard)
-    return done
-
-
-def _done_in_store(output: str, client, num_shards: int) -> set[int]:
-    """Shards whose journal mirrored in the store ends with `done` (a mirror names only verified files)."""
-    from botocore.exceptions import ClientError
-
-    bucket, prefix = split_uri(output)
-    done = set()
-    for shard in range(num_shards):
-        key = f"{prefix}/{shard_dir_name(shard, num_shards)}/journal.jsonl".lstrip("/")
-        try:
-            body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code == "NoSuchBucket":  # a definite answer: no worker could store anything there
-                raise ValueError(f"output={output!r}: the bucket {bucket!r} does not exist (NoSuchBucket from "
-                                 f"{client.meta.endpoint_url}): create it, or fix the output") from None
-            if code in ("NoSuchKey", "404"):
-                continue
-            raise
-        if _ends_done(body):
-            done.add(shard)
-    return done
+def _done_shards(store, num_shards: int, run: str, log) -> set[int]:
+    """Shards of `num_shards` whose journal (in the output, as far as the orchestrator can read it) ends with
+    `done`: skipped without touching a host. A missing bucket stops the run here, before any launch."""
+    try:
+        state = scan(store)
+    except NoSuchBucket as exc:
+        raise ValueError(f"output={store.uri!r}: {exc}") from None
+    except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
+        log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
+                    "each skips what its journal already holds", run, store.uri, exc)
+        return set()
+    return {shard for shard in range(num_shards) if state.done(shard, num_shards)}
 
 
 LayerSpec = Annotated[str, Field(pattern=r"^\s*(dflash:[1-9]\d*|eagle3|\d+(\s*,\s*\d+)*)\s*$",
@@ -214,16 +190,8 @@ def extract(
     bad = [s for s in requested if not 0 <= s < num_shards]
     if bad:
         raise ValueError(f"shards={bad}: out of range for num_shards={num_shards}")
-    already: set[int] = set()
-    client = access.client() if upload else None
-    if shards is None:
-        try:
-            already = _done_in_store(output, client, num_shards) if upload else _done_locally(out_dir, num_shards)
-        except ValueError:
-            raise
-        except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
-            log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
-                        "each skips what its journal already holds", run, output, exc)
+    store = open_store(output, client=access.client)
+    already = _done_shards(store, num_shards, run, log) if shards is None else set()
     prior = _read_table(run, num_shards, log)
     if reset_attempts:
         prior = {s: {**row, "failed_attempts": 0} for s, row in prior.items()}
@@ -276,8 +244,7 @@ def extract(
         raise RunIncomplete(f"run {run}: {len(failures)} failure(s), shards {summary['shards']}; {note}:\n{text}")
     log.info("run %s: all %d requested shard(s) complete", run, len(requested))
     if (upload or Path(out_dir).is_dir()) and Path(data).is_file():
-        checked = reconcile(output if upload else out_dir, data, num_shards, verify_checksums,
-                            artifact_key=_artifact_key(run), aws_credentials=aws_credentials)
+        checked = reconcile(store, data, num_shards, verify_checksums, artifact_key=_artifact_key(run))
         summary["reconcile"] = checked
         redo = sorted(set(checked["shards_to_rerun"]) & set(requested))
         if redo:

@@ -54,7 +54,7 @@ class S3Access:
         return kwargs
 
     def client(self):
-        from hsextract.upload import s3_client
+        from hsextract.store import s3_client
 
         if self.profile and not self.has_keys:
             import boto3

@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsextract.store import make_dirs, write_atomic
+
 from .commands import q as quote
 from .inventory import HostSpec, Inventory
 from .transient import is_transient
@@ -100,29 +102,11 @@ class LocalHost(Host):
 
     def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
         target = Path(path)
-        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         try:
-            make_dirs(target.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(tmp, target)
+            make_dirs(target.parent, int(UMASK, 8))
+            write_atomic(target, data, mode)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise HostError(self.name, f"put {path}", f"{exc.strerror or exc}", transient=False) from None
-
-
-def make_dirs(path: Path) -> None:
-    """`mkdir -p` under UMASK (pathlib makes missing parents with the process's umask, often 022)."""
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, 0o777 & ~int(UMASK, 8))
-        except FileExistsError:
-            pass
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from .quant import FP8_ENCODING, SCALE_KEY, dequantize
+from .store import fsync_dir
 
 FORMAT_VERSION = "1"
 
@@ -28,14 +29,6 @@ class WrittenFile:
     name: str
     bytes: int
     sha256: str
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # safetensors' dtype names, in the order of its Dtype enum (tensors of one element size sort by it, larger first)
@@ -154,14 +147,6 @@ def write_unsealed(path: Path, payload: Payload) -> Unsealed:
 def write_payload(path: Path, payload: Payload) -> WrittenFile:
     """Write `payload` durably at `path`: temp file, fsync, rename into place, fsync the directory."""
     return write_unsealed(path, payload).seal()
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class BatchFile:

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .batchfile import Payload, Unsealed, build_payload, sha256_file, write_unsealed
+from .batchfile import Payload, Unsealed, build_payload, write_unsealed
 from .batching import pack, padded_tokens
 from .capture import LayerCapture, read_model_info, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
 from .config import ExtractConfig
 from .errors import Interrupted, ShardIncomplete, UsageError
-from .journal import Journal, read_entries, scan_output
+from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, write_json_atomic
 from .records import Bad, Record, iter_records
@@ -34,6 +34,7 @@ from .sharding import shard_of
 from .quant import FP8_ENCODING, SCALE_KEY, quantize
 from .staging import HostStaging
 from .status import ProgressReporter
+from .store import LocalStore, S3Store, s3_client, scan, sha256_file
 
 BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to the writer thread
 
@@ -86,7 +87,7 @@ class ShardRun:
 
     def clean_shard_dir(self) -> None:
         """Drop temp files and batch files the journal does not name (a kill between rename and journal)."""
-        journaled = {e["file"] for e in read_entries(self.cfg.shard_dir / "journal.jsonl") if e.get("kind") == "file"}
+        journaled = {e["file"] for e in read_entries(self.cfg.shard_dir / JOURNAL_NAME) if e.get("kind") == "file"}
         for path in self.cfg.shard_dir.iterdir():
             half_written = path.name.endswith(".tmp") and (
                 path.name.startswith(".batch-") or not path.name.endswith(f".{os.getpid()}.tmp"))
@@ -138,15 +139,15 @@ class ShardRun:
         return self.finish()
 
     def start_uploader(self) -> None:
-        from .upload import BackgroundUploader, Spool, fetch_journals, s3_client
+        from .upload import BackgroundUploader, Spool, fetch_journals
 
         cfg = self.cfg
-        client = s3_client(cfg.s3_endpoint)
-        fetch_journals(client, cfg.upload, cfg.out)  # what every earlier run put in the store counts as done
+        store = S3Store(cfg.upload, s3_client(cfg.s3_endpoint))
+        fetch_journals(store, cfg.out)  # what every earlier run put in the store counts as done
         high, low = spool_marks(cfg.out, cfg.spool_high_bytes, cfg.spool_low_bytes,
                                 f"shard {cfg.shard}/{cfg.num_shards}")
         spool = Spool(high, low, self.progress)
-        self.uploader = BackgroundUploader(client, cfg.upload, cfg.shard_dir, spool, cfg.upload_part_bytes,
+        self.uploader = BackgroundUploader(store, cfg.shard_dir, spool, cfg.upload_part_bytes,
                                            memory_bytes=cfg.upload_memory_bytes if cfg.upload_from == "memory" else 0)
 
     def resume_uploads(self) -> None:
@@ -154,8 +155,8 @@ class ShardRun:
         Journaled files that are gone were deleted after their verification: they are in the store.
         A waiting file that no longer matches its journal entry (the disk or someone altered it) can never
         be uploaded: it is journaled `lost` and deleted, so this run extracts its samples again."""
-        entries = list(read_entries(self.cfg.shard_dir / "journal.jsonl"))
-        lost = {e["file"] for e in entries if e.get("kind") == "lost"}
+        entries = list(read_entries(self.cfg.shard_dir / JOURNAL_NAME))
+        lost = lost_files(entries)
         for entry in entries:
             if entry.get("kind") != "file" or entry["file"] in lost:
                 continue
@@ -175,7 +176,7 @@ class ShardRun:
 
     def pending_records(self) -> list[Record | Bad]:
         """This shard's records not yet written or skipped by any run; records duplicates as skipped."""
-        state = scan_output(self.cfg.out)
+        state = scan(LocalStore(self.cfg.out))
         seen: set[str] = set()
         pending: list[Record | Bad] = []
         for item in iter_records(self.cfg.data):
@@ -324,7 +325,7 @@ class ShardRun:
             started = time.monotonic()
             self.uploader.drain()  # every file verified in the store, or the upload error
             self.drain_s = time.monotonic() - started
-        state = scan_output(self.cfg.out)
+        state = scan(LocalStore(self.cfg.out))
         missing = [i for i in self.assigned if not state.finished(i)]
         if missing:
             raise ShardIncomplete(f"shard {self.cfg.shard}/{self.cfg.num_shards}: {len(missing)} sample(s) "

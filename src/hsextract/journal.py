@@ -1,4 +1,4 @@
-"""The append-only per-shard journal: the only record of what exists.
+"""The append-only per-shard journal: the only record of what exists. Its format, parsing and merging live here.
 
 One JSON object per line in `<out>/<shard dir>/journal.jsonl`:
   {"kind": "file", "file", "ids", "tokens", "lengths", "bytes", "sha256", "time"}   after the file is durable
@@ -7,8 +7,9 @@ One JSON object per line in `<out>/<shard dir>/journal.jsonl`:
   {"kind": "done", "summary": {...}, "time"}
   {"kind": "lost", "file", "why", "time"}   appended by reconcile: the file is gone or corrupt in the store,
                                             so its samples count as not written and a re-run redoes them
-A batch file that no "file" entry names does not exist. A torn last line (a kill mid-append) is ignored
-and cut off before the next append.
+A batch file that no "file" entry names does not exist. A shard is complete while its journal's last entry
+is "done" (a later "lost", or a new run's entries, reopen it). A torn last line (a kill mid-append) is
+ignored by readers and cut off before the next append.
 """
 
 from __future__ import annotations
@@ -18,22 +19,31 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 JOURNAL_NAME = "journal.jsonl"
-
-
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # what a journal may name: no path, no dot-file
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
+    """`shard-00003-of-00008`: the directory (and key prefix) of shard 3 of 8."""
     return f"shard-{shard:05d}-of-{num_shards:05d}"
 
 
+def journal_key(shard: int, num_shards: int) -> str:
+    """The journal's key under the output root."""
+    return f"{shard_dir_name(shard, num_shards)}/{JOURNAL_NAME}"
+
+
+def line(entry: dict) -> bytes:
+    """One journal line: compact JSON and a newline."""
+    return (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+
+
 def read_entries(path: Path) -> Iterator[dict]:
-    """Complete entries of one journal, in order; a torn trailing line is left out."""
+    """Complete entries of one journal file, in order; a torn trailing line is left out."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -60,35 +70,63 @@ def parse_entries(data: bytes, where: str) -> Iterator[dict]:
         yield entry
 
 
+def intact_prefix(data: bytes) -> bytes:
+    """What of journal bytes to keep before appending: every complete line. A last line that lost only its
+    newline is a whole entry (readers return it) and gets the newline back; a torn one is dropped."""
+    keep = data.rfind(b"\n") + 1
+    if keep == len(data):
+        return data
+    try:
+        json.loads(data[keep:])
+    except json.JSONDecodeError:
+        return data[:keep]
+    return data + b"\n"
+
+
+def repair_tail(path: Path) -> None:
+    """`intact_prefix` applied to a journal file in place (truncate, or add the newline), made durable."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    keep = intact_prefix(data)
+    if keep == data:
+        return
+    with path.open("r+b") as handle:
+        if len(keep) < len(data):
+            handle.truncate(len(keep))
+        else:
+            handle.seek(0, os.SEEK_END)
+            handle.write(b"\n")
+        os.fsync(handle.fileno())
+
+
+def retractions_missing(mine: bytes, theirs: bytes, where: str) -> list[dict]:
+    """The `lost` entries of `theirs` (the store's copy of a journal) that `mine` (a host's copy that is further
+    along) lacks: reconcile retracted those files in the store after this host's last mirror."""
+    have = {e["file"] for e in parse_entries(mine, "local journal") if e.get("kind") == "lost"}
+    return [e for e in parse_entries(theirs, where) if e.get("kind") == "lost" and e["file"] not in have]
+
+
+def lost_files(entries: Iterable[dict]) -> set[str]:
+    """Files a journal's `lost` entries retract."""
+    return {e["file"] for e in entries if e.get("kind") == "lost"}
+
+
 class Journal:
-    """Appender for one shard's journal. `file` entries are fsynced; other entries ride along."""
+    """Appender for one shard's journal file. `file` entries are fsynced; other entries ride along."""
 
     def __init__(self, shard_dir: Path):
         self.path = shard_dir / JOURNAL_NAME
-        self._cut_torn_tail()
+        repair_tail(self.path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
         self._lock = threading.Lock()
 
-    def _cut_torn_tail(self) -> None:
-        if not self.path.exists():
-            return
-        data = self.path.read_bytes()
-        keep = data.rfind(b"\n") + 1
-        if keep == len(data):
-            return
-        with self.path.open("r+b") as handle:
-            try:  # only the newline was lost: the entry is whole (read_entries returns it), keep it
-                json.loads(data[keep:])
-                handle.seek(0, os.SEEK_END)
-                handle.write(b"\n")
-            except json.JSONDecodeError:
-                handle.truncate(keep)
-            os.fsync(handle.fileno())
-
     def append(self, entry: dict, durable: bool = False) -> None:
-        line = json.dumps({**entry, "time": round(time.time(), 3)}, separators=(",", ":")) + "\n"
+        """Add `entry` (stamped with the time); `durable`: fsync before returning."""
+        data = line({**entry, "time": round(time.time(), 3)})
         with self._lock:  # writer, uploader and main threads append
-            os.write(self._fd, line.encode())
+            os.write(self._fd, data)
             if durable:
                 os.fsync(self._fd)
 
@@ -101,34 +139,34 @@ class Journal:
 
 @dataclass
 class OutputState:
-    """What every journal under an output directory says is written or skipped, by sample id."""
+    """What every journal of an output says, merged (`merge_journals`; `hsextract.store.scan` reads them)."""
 
-    written: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (shard dir, file)
-    skipped: dict[str, str] = field(default_factory=dict)  # id -> reason
-    files: list[tuple[str, dict]] = field(default_factory=list)  # (shard dir, file entry) in order
-    done_shards: set[str] = field(default_factory=set)
+    written: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (shard dir, file): first copy
+    skipped: dict[str, str] = field(default_factory=dict)  # id -> reason (the first journaled)
+    files: list[tuple[str, dict]] = field(default_factory=list)  # (shard dir, file entry) not retracted, in order
+    lost: set[tuple[str, str]] = field(default_factory=set)  # (shard dir, file) retracted by a `lost` entry
+    done_shards: set[str] = field(default_factory=set)  # shard dirs whose journal ends with `done`
     duplicates: set[tuple[str, int]] = field(default_factory=set)  # (id, line) of repeated ids, recorded
+    objects: dict = field(default_factory=dict)  # key -> StoredObject: the store's listing, when scanned
 
     def finished(self, sample_id: str) -> bool:
+        """Written or skipped by some run (either way: nothing to do for it)."""
         return sample_id in self.written or sample_id in self.skipped
 
-
-def scan_output(out_dir: Path) -> OutputState:
-    """Merge all shard journals under `out_dir` (any earlier shard count). First writer of an id wins."""
-    return merge_journals((j.parent.name, list(read_entries(j)))
-                          for j in sorted(out_dir.glob(f"shard-*/{JOURNAL_NAME}")))
+    def done(self, shard: int, num_shards: int) -> bool:
+        return shard_dir_name(shard, num_shards) in self.done_shards
 
 
-def merge_journals(journals) -> OutputState:
-    """Merge (shard dir, entries) pairs, in the order given (sorted by shard dir): first writer of an id wins."""
+def merge_journals(journals: Iterable[tuple[str, list[dict]]]) -> OutputState:
+    """Merge (shard dir, entries) pairs in the order given (sorted by shard dir, any shard counts mixed): the
+    first writer of an id wins; files a `lost` entry retracts are left out, and their samples with them."""
     state = OutputState()
     for shard, entries in journals:
-        lost = {e["file"] for e in entries if e.get("kind") == "lost"}
+        lost = lost_files(entries)
+        state.lost |= {(shard, name) for name in lost}
         for entry in entries:
             kind = entry.get("kind")
-            if kind == "file" and entry["file"] in lost:
-                continue
-            if kind == "file":
+            if kind == "file" and entry["file"] not in lost:
                 state.files.append((shard, entry))
                 for sample_id in entry["ids"]:
                     state.written.setdefault(sample_id, (shard, entry["file"]))
@@ -136,6 +174,6 @@ def merge_journals(journals) -> OutputState:
                 state.duplicates.add((entry["id"], entry["line"]))
             elif kind == "skip":
                 state.skipped.setdefault(entry["id"], entry["reason"])
-            elif kind == "done":
-                state.done_shards.add(shard)
+        if entries and entries[-1].get("kind") == "done":
+            state.done_shards.add(shard)
     return state

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .store import write_atomic
+
 HEARTBEAT_NAME = "heartbeat.json"
 EXIT_NAME = "exit.json"
 
@@ -28,16 +30,8 @@ def announce_start(shard: int, num_shards: int, version: str) -> None:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as handle:
-            json.dump(payload, handle, separators=(",", ":"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """`payload` as compact JSON at `path`, replaced atomically (a reader never sees half a file)."""
+    write_atomic(path, json.dumps(payload, separators=(",", ":")).encode())
 
 
 @dataclass

@@ -18,14 +18,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import json
-import os
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .journal import JOURNAL_NAME, line, read_entries, retractions_missing
+from .store import LocalStore, S3Store, Store, journal_keys
 
 
 class CorruptFile(Exception):
@@ -43,36 +43,6 @@ class Uploaded:
     sha256: str
     parts: int
     checksum: str   # what S3 reported (base64, '-N' suffix for multipart)
-
-
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def split_uri(uri: str) -> tuple[str, str]:
-    """(bucket, prefix without slashes at its ends) of `s3://bucket/prefix`. Refuses what could put a key
-    outside the prefix or be read two ways: `.` or `..` segments, empty segments, control characters."""
-    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-    if not uri.startswith("s3://") or not bucket:
-        raise ValueError(f"{uri!r}: expected s3://bucket/prefix")
-    if not _BUCKET.fullmatch(bucket):
-        raise ValueError(f"{uri!r}: bucket {bucket!r} is not a valid S3 bucket name (3-63 of a-z 0-9 . -)")
-    prefix = prefix.strip("/")
-    bad = [segment for segment in prefix.split("/") if segment in ("", ".", "..")] if prefix else []
-    if bad or _CONTROL.search(prefix):
-        what = f"segment {bad[0]!r}" if bad else "a control character"
-        raise ValueError(f"{uri!r}: the prefix holds {what}: object keys must stay under one plain prefix")
-    return bucket, prefix
-
-
-def s3_client(endpoint_url: str | None = None, attempts: int = 8, **kwargs):
-    import boto3
-    from botocore.config import Config
-
-    config = Config(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=10, read_timeout=60,
-                    request_checksum_calculation="when_supported", response_checksum_validation="when_supported")
-    session = kwargs.pop("session", None) or boto3
-    return session.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
 
 def local_digests(source: Path | bytes, part_size: int) -> tuple[str, list[bytes], int]:
@@ -218,15 +188,15 @@ class BackgroundUploader:
     budget the writer spills to disk as usual: disk is only the overflow.
     """
 
-    def __init__(self, client, uri: str, shard_dir: Path, spool: Spool, part_size: int = 64 << 20,
+    def __init__(self, store: S3Store, shard_dir: Path, spool: Spool, part_size: int = 64 << 20,
                  concurrency: int = 8, mirror_every_s: float = 10.0, files_in_flight: int = 4,
                  memory_bytes: int = 0):
-        self.client = client
-        self.bucket, self.prefix = split_uri(uri)
+        self.store = store
+        self.client, self.bucket = store.client, store.bucket
         self.shard_dir = shard_dir
         self.spool = spool
         self.part_size, self.concurrency = part_size, concurrency
-        self.transfer = transfer_for(client, part_size, concurrency)
+        self.transfer = transfer_for(store.client, part_size, concurrency)
         self.mirror_every_s = mirror_every_s
         self._mirrored_at = 0.0
         self.uploaded: set[str] = set()
@@ -247,8 +217,8 @@ class BackgroundUploader:
             thread.start()
 
     def key(self, name: str) -> str:
-        rel = f"{self.shard_dir.name}/{name}"
-        return f"{self.prefix}/{rel}" if self.prefix else rel
+        """The bucket key of this shard's file `name`."""
+        return self.store.key(f"{self.shard_dir.name}/{name}")
 
     def submit(self, entry: dict, reserved: bool = False) -> None:
         """Queue a journaled file on disk; `reserved`: its bytes were already counted by `Spool.reserve`."""
@@ -277,7 +247,7 @@ class BackgroundUploader:
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
-            raise UploadFailed(f"upload to s3://{self.bucket}/{self.prefix} failed: {self.error}") from self.error
+            raise UploadFailed(f"upload to {self.store.uri} failed: {self.error}") from self.error
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -327,14 +297,10 @@ class BackgroundUploader:
 
     def mirror_journal(self) -> None:
         """Put the journal, less `file` entries not yet in the store, next to the uploaded files."""
-        from .journal import JOURNAL_NAME, read_entries
-
         with self._lock:
-            lines = [json.dumps(e, separators=(",", ":")) for e in read_entries(self.shard_dir / JOURNAL_NAME)
-                     if e.get("kind") != "file" or e["file"] in self.uploaded]
-            body = ("\n".join(lines) + "\n").encode() if lines else b""
-            self.client.put_object(Bucket=self.bucket, Key=self.key(JOURNAL_NAME), Body=body,
-                                   ChecksumAlgorithm="SHA256")
+            body = b"".join(line(e) for e in read_entries(self.shard_dir / JOURNAL_NAME)
+                            if e.get("kind") != "file" or e["file"] in self.uploaded)
+            self.store.write(f"{self.shard_dir.name}/{JOURNAL_NAME}", body)
             self._mirrored_at = time.monotonic()
 
     def drain(self) -> None:
@@ -350,63 +316,25 @@ class UploadFailed(Exception):
     """The uploader gave up (after retries) or found a mismatch: the shard cannot complete."""
 
 
-def store_journals(client, uri: str) -> list[dict]:
-    """The shard journals under `uri` (list_objects_v2 entries, paginated, sorted by key): one per
-    `<prefix>/shard-*/journal.jsonl`."""
-    from .journal import JOURNAL_NAME
-
-    bucket, prefix = split_uri(uri)
-    base = f"{prefix}/" if prefix else ""
-    found = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
-        for obj in page.get("Contents", []):
-            parts = obj["Key"][len(base):].split("/")
-            if len(parts) == 2 and parts[0].startswith("shard-") and parts[1] == JOURNAL_NAME:
-                found.append(obj)
-    return sorted(found, key=lambda o: o["Key"])
-
-
-def fetch_journals(client, uri: str, spool_root: Path) -> int:
-    """Copy every shard journal under `uri` into the spool where the local one is absent or shorter.
+def fetch_journals(store: Store, spool: Path) -> int:
+    """Copy every shard journal of `store` into `spool` where the local one is absent or behind.
 
     Completion is by sample id across all journals, so a worker on a fresh host (or with another shard
-    count) must see what other runs already put in the store. Returns how many journals it fetched."""
-    bucket, prefix = split_uri(uri)
-    base = f"{prefix}/" if prefix else ""
-    fetched = 0
-    for obj in store_journals(client, uri):
-        local = spool_root / obj["Key"][len(base):]
-        if local.exists() and local.stat().st_size == obj["Size"]:
+    count) must see what other runs already put in the store. A local journal that is further along than the
+    store's (its last files not mirrored yet) is kept, and takes the `lost` entries reconcile appended to the
+    store's copy meanwhile. Returns how many journals it fetched."""
+    local, fetched = LocalStore(spool), 0
+    objects = store.list()
+    sizes = {obj.key: obj.size for obj in objects}
+    for key in journal_keys(objects):
+        path = spool / key
+        if path.exists() and path.stat().st_size == sizes[key]:
             continue
-        data = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-        mine = local.read_bytes() if local.exists() else b""
-        if data.startswith(mine):  # absent or behind here: take the store's
-            local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = local.with_name(f".{local.name}.fetch.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, local)
-        else:  # this host is ahead: keep its journal, plus what reconcile retracted in the store
-            _merge_retractions(local, mine, data, obj["Key"])
+        theirs = store.read(key)
+        mine = path.read_bytes() if path.exists() else b""
+        if theirs.startswith(mine):  # absent or behind here: take the store's
+            local.write(key, theirs)
+        elif extra := retractions_missing(mine, theirs, store.where(key)):
+            local.append_lines(key, b"".join(line(e) for e in extra))
         fetched += 1
     return fetched
-
-
-def _merge_retractions(local: Path, mine: bytes, theirs: bytes, where: str) -> None:
-    from .journal import parse_entries
-
-    have = {e["file"] for e in parse_entries(mine, str(local)) if e.get("kind") == "lost"}
-    extra = [e for e in parse_entries(theirs, where) if e.get("kind") == "lost" and e["file"] not in have]
-    if extra:
-        lines = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in extra)
-        with local.open("r+b") as handle:
-            keep = mine.rfind(b"\n") + 1
-            try:  # a last line without its newline: whole entries keep it, a torn one is cut (as Journal does)
-                json.loads(mine[keep:] or b"null")
-                handle.seek(0, os.SEEK_END)
-                if keep != len(mine):
-                    handle.write(b"\n")
-            except json.JSONDecodeError:
-                handle.truncate(keep)
-                handle.seek(keep)
-            handle.write(lines.encode())
-            os.fsync(handle.fileno())

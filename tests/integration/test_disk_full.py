@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 import hsextract
-from hsextract.batchfile import sha256_file
+from hsextract.store import sha256_file
 from hsextract.journal import read_entries
 
 from harness.worker import dataset_ids, run_extract, summary_of

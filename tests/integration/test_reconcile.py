@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 
 from harness.worker import dataset_ids, run_extract, summary_of
-from tasks.reconcile import INDEX_NAME, SUCCESS_NAME, LocalStore, dataset_ids as ids_of, reconcile_output
+from hsextract.store import LocalStore
+from tasks.reconcile import INDEX_NAME, SUCCESS_NAME, dataset_ids as ids_of, reconcile_output
 
 from hsextract.reader import read_samples
 from hsextract.sharding import shard_of
@@ -33,7 +34,7 @@ def output(extracted, tmp_path):
 
 
 def test_complete_run_is_indexed_and_sealed_once(output, dataset):
-    report = reconcile_output(LocalStore(output, verify=True), ids_of(dataset), 2)
+    report = reconcile_output(LocalStore(output), ids_of(dataset), 2, verify=True)
     assert report.complete and report.sealed and not report.already_sealed
     assert report.expected == len(set(dataset_ids(dataset))) == report.done + sum(report.skipped.values())
     assert report.missing_objects == [] and report.corrupt_objects == [] and report.duplicated == 0
@@ -72,7 +73,7 @@ def test_deleted_object_is_missing_then_the_rerun_restores_it(output, dataset, t
     proc = run_extract(tiny_model, dataset, output, 1, 2, "--token-budget", "256")
     assert proc.returncode == 0, proc.stderr
     assert summary_of(proc)["samples_written"] == len(entry["ids"])
-    healed = reconcile_output(LocalStore(output, verify=True), ids_of(dataset), 2)
+    healed = reconcile_output(LocalStore(output), ids_of(dataset), 2, verify=True)
     assert healed.complete and healed.sealed and healed.duplicated == 0
     assert Counter(s["id"] for s in read_samples(output)) == Counter(set(dataset_ids(dataset)) - set(
         i for i, r in healed_skips(output)))
@@ -94,7 +95,7 @@ def test_corrupt_object_is_caught_by_size_and_by_checksum(output, dataset):
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
     path.write_bytes(bytes(data))
     assert reconcile_output(LocalStore(output), ids_of(dataset), 2, seal=False).complete  # size alone misses it
-    report = reconcile_output(LocalStore(output, verify=True), ids_of(dataset), 2)
+    report = reconcile_output(LocalStore(output), ids_of(dataset), 2, verify=True)
     assert report.corrupt_objects == [f"shard-00000-of-00002/{entry['file']}"]
     assert not report.complete and sorted(report.missing_ids[0]) == sorted(entry["ids"])
 
@@ -106,7 +107,7 @@ def test_duplicate_copy_resolves_to_one_in_the_index(output, dataset):
     dup.mkdir()
     shutil.copy(src / entry["file"], dup / entry["file"])
     (dup / "journal.jsonl").write_text(json.dumps(entry) + "\n")
-    report = reconcile_output(LocalStore(output, verify=True), ids_of(dataset), 2)
+    report = reconcile_output(LocalStore(output), ids_of(dataset), 2, verify=True)
     assert report.complete and report.duplicated == len(entry["ids"])
     index = [json.loads(line) for line in (output / INDEX_NAME).read_text().splitlines()]
     counts = Counter(e["id"] for e in index)
@@ -120,33 +121,33 @@ def upload(client, bucket: str, prefix: str, out) -> None:
         key = f"{prefix}/{path.relative_to(out).as_posix()}"
         extra = {"ChecksumAlgorithm": "SHA256"}
         if path.suffix == ".safetensors":
-            from tasks.reconcile import sha256_file
+            from hsextract.store import sha256_file
 
             extra["Metadata"] = {"sha256": sha256_file(path)}
         client.upload_file(str(path), bucket, key, ExtraArgs=extra)
 
 
 def test_s3_store_reconciles_paginated_and_seals_with_if_none_match(output, dataset, s3):
-    from tasks.reconcile import S3Store
+    from hsextract.store import S3Store
 
     client, bucket = s3
     upload(client, bucket, "runs/a", output)
     client.put_object(Bucket=bucket, Key="runs/ab/stray.safetensors", Body=b"x")  # a sibling prefix is not ours
-    store = S3Store(f"s3://{bucket}/runs/a", client=client, verify=True)
+    store = S3Store(f"s3://{bucket}/runs/a", client=client)
     store.client.meta.events.register("before-parameter-build.s3.ListObjectsV2",
                                       lambda params, **_: params.setdefault("MaxKeys", 3))  # force many pages
-    report = reconcile_output(store, ids_of(dataset), 2)
+    report = reconcile_output(store, ids_of(dataset), 2, verify=True)
     assert report.complete and report.sealed and report.unjournaled_objects == 0
     index = client.get_object(Bucket=bucket, Key=f"runs/a/{INDEX_NAME}")["Body"].read().decode().splitlines()
     assert len(index) == report.done
     # a second reconciler cannot claim _SUCCESS again: the conditional write refuses it
     assert not store.create(SUCCESS_NAME, b"again")
-    again = reconcile_output(store, ids_of(dataset), 2)
+    again = reconcile_output(store, ids_of(dataset), 2, verify=True)
     assert again.already_sealed and not again.sealed
 
 
 def test_s3_object_deleted_or_altered_is_reported(output, dataset, s3):
-    from tasks.reconcile import S3Store
+    from hsextract.store import S3Store
 
     client, bucket = s3
     upload(client, bucket, "p", output)
@@ -155,7 +156,7 @@ def test_s3_object_deleted_or_altered_is_reported(output, dataset, s3):
     body = client.get_object(Bucket=bucket, Key=keys[1])["Body"].read()
     client.put_object(Bucket=bucket, Key=keys[1], Body=body[:-1] + bytes([body[-1] ^ 1]),
                       Metadata={"sha256": "0" * 64})  # same size, other bytes
-    report = reconcile_output(S3Store(f"s3://{bucket}/p", client=client, verify=True), ids_of(dataset), 2)
+    report = reconcile_output(S3Store(f"s3://{bucket}/p", client=client), ids_of(dataset), 2, verify=True)
     assert not report.complete and not report.sealed
     assert report.missing_objects == [keys[0].removeprefix("p/")]
     assert report.corrupt_objects == [keys[1].removeprefix("p/")]

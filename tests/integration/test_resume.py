@@ -11,7 +11,8 @@ import pytest
 
 import hsextract
 from hsextract import tiny
-from hsextract.journal import read_entries, scan_output
+from hsextract.journal import read_entries
+from hsextract.store import scan
 
 from harness.worker import dataset_ids, extract_cmd, run_extract, summary_of
 
@@ -39,7 +40,7 @@ def start_and_kill(cmd, out, after_files: int, sig=signal.SIGKILL, deadline_s: f
 
 
 def ids_written(out) -> Counter:
-    return Counter(i for _, entry in scan_output(out).files for i in entry["ids"])
+    return Counter(i for _, entry in scan(out).files for i in entry["ids"])
 
 
 def assert_exactly_once(out, data):
@@ -80,7 +81,7 @@ def test_reshard_3_to_2_with_other_budget_no_recompute(tiny_model, big_dataset, 
         assert proc.returncode == 0, proc.stderr
         summaries.append(summary_of(proc))
     assert sum(s["samples_written"] for s in summaries) == 400 - len(old)
-    new_ids = Counter(i for shard, e in scan_output(out).files if shard.endswith("of-00002") for i in e["ids"])
+    new_ids = Counter(i for shard, e in scan(out).files if shard.endswith("of-00002") for i in e["ids"])
     assert not (set(new_ids) & old), "a sample finished under 3 shards was computed again under 2"
     assert sum(s["forward_passes"] for s in summaries) == sum(s["files"] for s in summaries)
     assert_exactly_once(out, big_dataset)

@@ -7,7 +7,8 @@ import time
 
 from harness.worker import dataset_ids, run_extract, summary_of
 from harness.s3proxy import FaultProxy
-from tasks.reconcile import S3Store, dataset_ids as ids_of, reconcile_output
+from hsextract.store import S3Store
+from tasks.reconcile import dataset_ids as ids_of, reconcile_output
 
 
 def test_s3_output_lands_verified_frees_disk_and_reconciles(tmp_path, tiny_model, dataset, s3, s3_endpoint):
@@ -20,7 +21,7 @@ def test_s3_output_lands_verified_frees_disk_and_reconciles(tmp_path, tiny_model
         up = summary_of(proc)["upload"]
         assert up["files"] == summary_of(proc)["files"] > 0
     assert not list(spool.rglob("*.safetensors"))  # every local copy freed after its verification
-    report = reconcile_output(S3Store(f"s3://{bucket}/run", client=client, verify=True), ids_of(dataset), 2)
+    report = reconcile_output(S3Store(f"s3://{bucket}/run", client=client), ids_of(dataset), 2, verify=True)
     assert report.complete and report.sealed and report.duplicated == 0 and not report.corrupt_objects
     assert report.expected == len(set(dataset_ids(dataset)))
 
@@ -96,7 +97,7 @@ def test_upload_errors_past_retries_fail_the_shard_naming_s3(tmp_path, tiny_mode
 def test_a_retraction_in_the_store_reaches_a_host_whose_journal_is_ahead(tmp_path, s3):
     """Reconcile appends `lost` to the store's journal; a host that has more entries than the store keeps
     its own journal and takes the retraction too (otherwise the lost samples would never be redone)."""
-    from hsextract.journal import scan_output
+    from hsextract.store import scan
     from hsextract.upload import fetch_journals
 
     client, bucket = s3
@@ -110,12 +111,12 @@ def test_a_retraction_in_the_store_reaches_a_host_whose_journal_is_ahead(tmp_pat
     local = tmp_path / "shard-00000-of-00001" / "journal.jsonl"
     local.parent.mkdir()
     local.write_text(line(file_a) + line(file_b))  # ahead: file_b is not mirrored yet
-    assert fetch_journals(client, f"s3://{bucket}/p", tmp_path) == 1
+    assert fetch_journals(S3Store(f"s3://{bucket}/p", client), tmp_path) == 1
     entries = [json.loads(l) for l in local.read_text().splitlines()]
     assert entries == [file_a, file_b, lost]
-    state = scan_output(tmp_path)
+    state = scan(tmp_path)
     assert set(state.written) == {"b"}, "a's file is retracted, so a is redone; b stays written"
-    assert fetch_journals(client, f"s3://{bucket}/p", tmp_path) == 1  # sizes differ, nothing new merged
+    assert fetch_journals(S3Store(f"s3://{bucket}/p", client), tmp_path) == 1  # sizes differ, nothing new merged
     assert [json.loads(l) for l in local.read_text().splitlines()] == entries
 
 
@@ -136,7 +137,7 @@ def test_upload_from_memory_never_touches_disk_and_reconciles(tmp_path, tiny_mod
         entries = journal_files(spool, f"shard-{shard:05d}-of-00002")
         assert len(entries) == summary["files"] and all(e["from_memory"] for e in entries)
     assert not list(spool.rglob("*.safetensors")) and not list(spool.rglob(".*.tmp"))
-    report = reconcile_output(S3Store(f"s3://{bucket}/m", client=client, verify=True), ids_of(dataset), 2)
+    report = reconcile_output(S3Store(f"s3://{bucket}/m", client=client), ids_of(dataset), 2, verify=True)
     assert report.complete and report.sealed and report.duplicated == 0 and not report.corrupt_objects
     assert report.unjournaled_objects == 0
 
@@ -165,7 +166,7 @@ def test_upload_from_memory_spills_to_disk_when_its_budget_is_full(tmp_path, tin
     spilled = [e for e in journal_files(tmp_path / "s") if not e.get("from_memory")]
     assert len(spilled) == summary["files"] - up["from_memory"]
     assert not list((tmp_path / "s").rglob("*.safetensors"))  # spilled files freed once verified too
-    report = reconcile_output(S3Store(f"s3://{bucket}/sp", client=client, verify=True), ids_of(dataset), 1)
+    report = reconcile_output(S3Store(f"s3://{bucket}/sp", client=client), ids_of(dataset), 1, verify=True)
     assert report.complete and report.duplicated == 0 and not report.corrupt_objects
 
 
@@ -200,7 +201,7 @@ def test_upload_from_memory_failure_journals_only_what_is_stored(tmp_path, tiny_
     again = run_extract(tiny_model, dataset, f"s3://{bucket}/f", 0, 1, *args, "--s3-endpoint", s3_endpoint)
     assert again.returncode == 0, again.stderr
     assert summary_of(again)["samples_written"] == len(set(dataset_ids(dataset))) - sum(len(e["ids"]) for e in journaled)
-    report = reconcile_output(S3Store(f"s3://{bucket}/f", client=client, verify=True), ids_of(dataset), 1)
+    report = reconcile_output(S3Store(f"s3://{bucket}/f", client=client), ids_of(dataset), 1, verify=True)
     assert report.complete and report.duplicated == 0 and not report.corrupt_objects
 
 

@@ -9,7 +9,8 @@ import pytest
 from harness.worker import run_extract
 from harness.s3proxy import FaultProxy
 
-from hsextract.upload import CorruptFile, s3_client, upload_verified
+from hsextract.store import s3_client
+from hsextract.upload import CorruptFile, upload_verified
 
 PART = 5 << 20  # S3's smallest part size
 

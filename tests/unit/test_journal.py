@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from hsextract.journal import JOURNAL_NAME, Journal, read_entries, scan_output, shard_dir_name
+from hsextract.journal import JOURNAL_NAME, Journal, read_entries, shard_dir_name
+from hsextract.store import scan
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def test_scan_output_merges_shards(tmp_path):
     (out / "other").mkdir()
     (out / "other" / JOURNAL_NAME).write_text(json.dumps(file_entry("x", ["ghost"])) + "\n")
 
-    state = scan_output(out)
+    state = scan(out)
     assert state.written == {
         "a": (s0, "batch-000001.safetensors"),
         "b": (s0, "batch-000001.safetensors"),
@@ -161,12 +162,12 @@ def test_scan_output_merges_earlier_shard_counts(tmp_path):
     out = tmp_path / "out"
     old = write_journal(out, 0, 1, [file_entry("batch-000001.safetensors", ["a"])])
     new = write_journal(out, 1, 4, [file_entry("batch-000001.safetensors", ["a", "b"])])
-    state = scan_output(out)
+    state = scan(out)
     assert state.written == {"a": (old, "batch-000001.safetensors"), "b": (new, "batch-000001.safetensors")}
 
 
 def test_scan_output_empty_dir(tmp_path):
-    state = scan_output(tmp_path)
+    state = scan(tmp_path)
     assert (state.written, state.skipped, state.files, state.duplicates) == ({}, {}, [], set())
 
 
@@ -175,7 +176,7 @@ def test_scan_output_ignores_torn_tail(tmp_path):
     name = write_journal(out, 0, 1, [file_entry("batch-000001.safetensors", ["a"])])
     with (out / name / JOURNAL_NAME).open("ab") as handle:
         handle.write(b'{"kind":"file","file":"batch-000002.safetensors","ids":["b"')
-    state = scan_output(out)
+    state = scan(out)
     assert set(state.written) == {"a"}
 
 
@@ -186,7 +187,7 @@ def test_lost_entry_retracts_a_file_so_its_samples_are_not_written(shard):
         {"kind": "done", "summary": {}},
         {"kind": "lost", "file": "batch-000000.safetensors", "why": "not in the store"},
     ])
-    state = scan_output(shard.parent)
+    state = scan(shard.parent)
     assert set(state.written) == {"c"} and not state.finished("a") and not state.finished("b")
     assert [e["file"] for _, e in state.files] == ["batch-000001.safetensors"]
 

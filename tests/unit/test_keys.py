@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hsextract.extract import spool_marks
 from hsextract.journal import FILE_NAME
-from hsextract.upload import split_uri
+from hsextract.store import split_uri
 
 
 @pytest.mark.parametrize("uri,why", [("s3://b-ok/run/../other", "segment '..'"), ("s3://b-ok/./run", "segment '.'"),

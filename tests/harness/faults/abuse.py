@@ -110,7 +110,7 @@ def key_escape(lab: Lab, case: Case) -> Outcome:
     launch; a journal in the store that names a path (`../../x`) is refused by the reader, and by the worker
     that would resume from it. (That every accepted prefix and name makes a key under the prefix is
     tests/unit/test_keys.py's property, over 400 generated pairs.)"""
-    from hsextract.upload import split_uri
+    from hsextract.store import split_uri
 
     from .storagerows import Store
 

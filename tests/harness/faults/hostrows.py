@@ -46,7 +46,7 @@ def launch_fault(python_body: str | None = None, python: str | None = None, befo
 
 def log_dir_unwritable(case: Case) -> None:
     # root ignores permission bits: the log path is a directory, so the launch's `> worker.log` fails
-    from tasks.hosts import make_dirs
+    from hsextract.store import make_dirs
 
     make_dirs(case.ctrl("h1") / "worker.log")  # with the product's modes: the file_modes row checks this tree
 

@@ -239,25 +239,13 @@ def audit(output: str, ids: list[str], client=None) -> tuple[int, int, int]:
     stored: the reader's samples, checksums verified; duplicated: samples named by more than one journaled
     file that is really there; skipped: samples a journal skipped with a reason (other than a repeated id)."""
     import hsextract
-    from hsextract.journal import merge_journals, parse_entries
+    from hsextract.store import journal_keys, open_store, scan
 
-    if output.startswith("s3://"):
-        bucket, _, prefix = output.removeprefix("s3://").partition("/")
-        keys = set()
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            keys |= {o["Key"].removeprefix(prefix).lstrip("/") for o in page.get("Contents", [])}
-        journals = [(k.split("/")[0], list(parse_entries(client.get_object(
-            Bucket=bucket, Key=f"{prefix}/{k}".lstrip("/"))["Body"].read(), k)))
-            for k in sorted(keys) if k.endswith("/journal.jsonl")]
-        exists = lambda shard, name: f"{shard}/{name}" in keys  # noqa: E731
-    else:
-        root = Path(output.removeprefix("file://"))
-        journals = [(j.parent.name, list(parse_entries(j.read_bytes(), str(j))))
-                    for j in sorted(root.glob("shard-*/journal.jsonl"))]
-        exists = lambda shard, name: (root / shard / name).is_file()  # noqa: E731
-    state = merge_journals(journals)
-    copies = Counter(i for shard, entry in state.files if exists(shard, entry["file"]) for i in entry["ids"])
-    read = {s["id"] for s in hsextract.read_samples(output, verify=True, client=client)} if journals else set()
+    state = scan(open_store(output, client))
+    copies = Counter(i for shard, entry in state.files if f"{shard}/{entry['file']}" in state.objects
+                     for i in entry["ids"])
+    read = ({s["id"] for s in hsextract.read_samples(output, verify=True, client=client)}
+            if journal_keys(state.objects.values()) else set())
     skipped = {i for i in ids if i in state.skipped and i not in read}
     lost = sum(1 for i in set(ids) if i not in read and i not in skipped)
     return lost, sum(1 for n in copies.values() if n > 1), len(skipped)
