@@ -31,7 +31,8 @@ from tasks.bundle import build_bundle  # noqa: E402
 from tasks.deploy import deploy_host  # noqa: E402
 from tasks.hosts import connect  # noqa: E402
 from tasks.inventory import parse_inventory  # noqa: E402
-from tasks.shards import Policy, ShardFailed, ShardJob, launch_shard, probe, supervise_shard  # noqa: E402
+from hsextract.options import WorkerOptions  # noqa: E402
+from tasks.shards import Deadlines, ShardFailed, ShardJob, launch_shard, probe, supervise_shard  # noqa: E402
 
 
 def hsextract(*args):
@@ -56,23 +57,21 @@ def silent_launch(work: Path, farm, model, data) -> float:
 def detection(work: Path, farm, model, data, heartbeat: float) -> tuple[float, float]:
     entry = ssh_host_entry(farm.host("b0"), work / "detect")
     inventory = parse_inventory(write_inventory(work / "detect.yaml", [entry]).read_text())
-    policy = Policy(poll_interval_s=heartbeat / 4, stall_timeout_s=1.5 * heartbeat, command_timeout_s=5)
+    deadlines = Deadlines(poll_interval_s=heartbeat / 4, stall_timeout_s=1.5 * heartbeat, command_timeout_s=5)
     times = []
     with connect(inventory.hosts[0], inventory) as host:
         deploy_host(host, build_bundle(ROOT), "0.1.0")
         for n, signal in enumerate(("KILL", "STOP")):
-            out = f"{work}/detect-out-{n}"
-            args = ("--model", str(model), "--data", str(data), "--out", out, "--layers", "1,3", "--token-budget",
-                    "128", "--heartbeat-interval", str(heartbeat), "--device", "cpu", "--progress", "log")
-            job = ShardJob(f"d{n}", 0, 1, "b0", 0, entry["workdir"], sys.executable, build_bundle(ROOT).sha256,
-                           out, args)
-            launched = launch_shard(host, job, policy)
+            options = WorkerOptions(model=model, data=data, out=f"{work}/detect-out-{n}", layers="1,3", token_budget=128,
+                                    heartbeat_interval=heartbeat, device="cpu", progress="log")
+            job = ShardJob.on(f"d{n}", inventory.hosts[0], 0, build_bundle(ROOT).sha256, options, 0, 1)
+            launched = launch_shard(host, job, deadlines)
             while (probe(host, job, 5).heartbeat or {}).get("phase") != "extracting":
                 time.sleep(0.1)
             host.run(f"kill -{signal} {launched.pid}", 5)
             acted = time.monotonic()
             try:
-                supervise_shard(host, job, launched, policy)
+                supervise_shard(host, job, launched, deadlines)
             except ShardFailed:
                 times.append(time.monotonic() - acted)
     return times[0], times[1]

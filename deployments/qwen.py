@@ -24,7 +24,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from flows.extract import PARAMETERS, RERUN_EVENT, ROOT, extract
+from flows.extract import PARAMETERS, ROOT, extract
+from tasks.rerun import RERUN_EVENT
 
 POOL = "hsextract"
 #: the Qwen3.6-27B DFlash recipe (64 layers: dflash:5 = 1,16,31,46,61)

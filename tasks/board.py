@@ -1,31 +1,31 @@
-"""What the Prefect UI shows about a run's shards, and what the next run reads back from it.
+"""What the Prefect UI shows about a run's shards: a view, never a record anyone reads back.
 
 - one progress artifact per shard (samples done / total, from the heartbeats);
 - a shard status table artifact, republished every `interval_s` and at every state change: host, GPU, pid,
-  state, samples, skipped, tokens/s, heartbeat age, files and bytes written and uploaded, failed
-  attempts, last error, for every shard of the run (shards a run does not touch keep their last row).
-  Its latest version is also the run's attempt record: the next run of the same `run_name` reads the
-  failure count and the last failing host of each shard from it (attempt cap, placement away from a
-  host that just failed);
+  state, samples, skipped, tokens/s, heartbeat age, files and bytes written and uploaded, and from the
+  attempt record (tasks/attempts.py) failed attempts, last failing host and last error, for every shard of
+  the run (a shard this run does not touch shows the row the record kept of it);
 - an event on every shard state change, `extract.shard.<state>`, with the shard, host and reason.
+A state change goes to the attempt record first (a failure counted, how the shard ended), then to the view.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
-import json
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 from prefect import get_run_logger
-from prefect.artifacts import Artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.events import emit_event
 
+from .attempts import AttemptRecord
+
 EVENT_PREFIX = "extract.shard."
-ERROR_CHARS = 400
+SETTLED = ("done", "complete", "failed", "capped")  # states a run leaves a shard in
 
 
 def run_key(run: str) -> str:
@@ -35,11 +35,14 @@ def run_key(run: str) -> str:
 
 
 def table_key(run: str) -> str:
+    """The key of the run's shard table artifact."""
     return f"shards-{run_key(run)}"
 
 
 @dataclass
 class Row:
+    """What the table shows of one shard in this run (the attempt columns come from the record)."""
+
     shard: int
     num_shards: int = 0
     host: str = ""
@@ -55,9 +58,6 @@ class Row:
     bytes: int = 0
     files_uploaded: int = 0
     bytes_uploaded: int = 0
-    failed_attempts: int = 0
-    last_failed_host: str = ""
-    last_error: str = ""
     progress_id: object = None
     progress_at: float = 0.0
     progress_sent: float = -1.0
@@ -68,25 +68,7 @@ class Row:
                 "tokens_per_s": round(self.tokens_per_s), "heartbeat_age_s":
                     None if self.heartbeat_age_s is None else round(self.heartbeat_age_s, 1),
                 "files": self.files, "mb": round(self.bytes / 1e6, 1), "files_uploaded": self.files_uploaded,
-                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1), "failed_attempts": self.failed_attempts,
-                "last_failed_host": self.last_failed_host, "last_error": self.last_error}
-
-
-def _one_line(text: str) -> str:
-    text = " | ".join(line.strip() for line in str(text).splitlines() if line.strip())
-    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
-
-
-def read_table(run: str, num_shards: int) -> dict[int, dict]:
-    """{shard: row} of the latest status table of `run` for `num_shards` shards (empty if there is none).
-
-    Rows of another shard count (the run was re-sharded) are ignored: shard i of N is not shard i of M."""
-    artifact = Artifact.get(table_key(run))
-    if artifact is None or not artifact.data:
-        return {}
-    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-    return {int(r["shard"]): r for r in rows
-            if isinstance(r, dict) and "shard" in r and r.get("of", num_shards) == num_shards}
+                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1)}
 
 
 @dataclass
@@ -96,19 +78,12 @@ class Board:
     run: str
     num_shards: int
     shards: list[int]
+    attempts: AttemptRecord
     interval_s: float = 15.0
     related: list[dict] = field(default_factory=list)
-    prior: dict[int, dict] = field(default_factory=dict)  # read_table(): the run's earlier rows
 
     def __post_init__(self):
         self.rows = {s: Row(s, self.num_shards) for s in self.shards}
-        for shard, seen in self.prior.items():
-            if shard in self.rows:  # running again: its counts carry over
-                row = self.rows[shard]
-                row.failed_attempts = int(seen.get("failed_attempts") or 0)
-                row.last_failed_host, row.last_error = seen.get("last_failed_host") or "", seen.get("last_error") or ""
-        # shards this run does not touch keep their last row: the table (and the attempt record) stays whole
-        self.carried = {s: r for s, r in self.prior.items() if s not in self.rows and 0 <= s < self.num_shards}
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._stop = threading.Event()
@@ -116,31 +91,29 @@ class Board:
         self._log = get_run_logger()
 
     # --- what the flow tells it -------------------------------------------------------------------------
-    def failed_attempts(self, shard: int) -> int:
-        return self.rows[shard].failed_attempts
-
-    def last_failed_host(self, shard: int) -> str:
-        return self.rows[shard].last_failed_host
-
-    def last_error(self, shard: int) -> str:
-        return self.rows[shard].last_error
-
     def set_state(self, shard: int, state: str, reason: str = "", **payload) -> None:
-        """Record a state change, emit `extract.shard.<state>`, and republish the table soon."""
+        """A state change: into the attempt record when the run leaves the shard there (a failure counted),
+        then the event `extract.shard.<state>`, and the table republished soon."""
         with self._lock:
             row = self.rows[shard]
             row.state = state
             for name in ("host", "gpu", "pid"):
                 if payload.get(name) is not None:
                     setattr(row, name, payload[name])
-            if state == "failed":
-                row.failed_attempts += 1
-                row.last_failed_host, row.last_error = row.host, _one_line(reason)
             snapshot = row.table()
-        self._emit(state, snapshot, reason, payload)
+        if state == "failed":
+            self.attempts.failed(shard, snapshot["host"], reason)
+        if state in SETTLED:
+            self.attempts.ended(shard, snapshot)
+        self._emit(state, self._with_attempts(snapshot), reason, payload)
         if state in ("done", "complete") and self.rows[shard].progress_id is not None:
             self._progress(self.rows[shard], force=True)
         self._dirty.set()
+
+    def _with_attempts(self, row: dict) -> dict:
+        seen = self.attempts.get(row["shard"])
+        return {**row, "failed_attempts": seen.failed_attempts, "last_failed_host": seen.last_failed_host,
+                "last_error": seen.last_error}
 
     def beat(self, shard: int, heartbeat: dict | None, age: float | None) -> None:
         """A probe of a running shard: counters from its heartbeat, and the progress artifact now and then."""
@@ -181,9 +154,13 @@ class Board:
             self._log.warning("run %s shard %d: progress artifact not updated: %s", self.run, row.shard, exc)
 
     def publish(self) -> None:
+        """One new version of the table: this run's rows, and the record's last row of every other shard."""
         with self._lock:
-            rows = {**self.carried, **{s: r.table() for s, r in self.rows.items()}}
-        table = [rows[s] for s in sorted(rows)]
+            rows = {s: r.table() for s, r in self.rows.items()}
+        for shard in self.attempts.known():
+            if shard not in rows and self.attempts.get(shard).last:
+                rows[shard] = self.attempts.get(shard).last
+        table = [self._with_attempts(rows[s]) for s in sorted(rows)]
         counts: dict[str, int] = {}
         for r in table:
             counts[r["state"]] = counts.get(r["state"], 0) + 1

@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from .bundle import Bundle
-from .commands import bundle_tarball, check_bundle_cmd, env_check_cmd, q, unpack_bundle_cmd
+from .commands import bundle_tarball, check_bundle_cmd, env_check_cmd, quote, unpack_bundle_cmd
 from .hosts import Host, HostError, connect
 from .inventory import Inventory
 from .transient import is_transient
@@ -26,26 +26,29 @@ class DeployFailed(Exception):
 
 @dataclass(frozen=True)
 class Deployed:
+    """A host proved to hold the bundle: its hash, the worker version it printed, its package versions."""
+
     host: str
-    digest: str
+    bundle_sha256: str
     version: str
     environment: str
     skipped: bool
     seconds: float
 
 
-def _proof(host: Host, digest: str, python: str, expect_version: str, timeout: float):
+def _proof(host: Host, bundle_sha256: str, python: str, expect_version: str, timeout: float):
     """(proved, result): proved when the host printed exactly this bundle's hash and the worker version."""
-    result = host.run(check_bundle_cmd(host.spec.workdir, digest, python), timeout)
+    result = host.run(check_bundle_cmd(host.spec.workdir, bundle_sha256, python), timeout)
     lines = result.stdout.split("\n")  # BUNDLE <hash>, hsextract <version>, then ENV {...} once proved
-    proved = result.ok and len(lines) >= 2 and lines[0] == f"BUNDLE {digest}" and lines[1] == f"hsextract {expect_version}"
+    proved = (result.ok and len(lines) >= 2 and lines[0] == f"BUNDLE {bundle_sha256}"
+              and lines[1] == f"hsextract {expect_version}")
     return proved, result
 
 
 def _free_space(host: Host, path: str) -> str:
     """'; <N> KiB free on the disk of <path>' (SFTP says only "Failure" when the host's disk is full)."""
     try:
-        result = host.run(f"p={q(path)}; while [ ! -d \"$p\" ]; do p=$(dirname \"$p\"); done; df -Pk \"$p\"", 10)
+        result = host.run(f"p={quote(path)}; while [ ! -d \"$p\" ]; do p=$(dirname \"$p\"); done; df -Pk \"$p\"", 10)
         fields = result.stdout.strip().splitlines()[-1].split()
         return f"; {int(fields[3]):,} KiB free on the disk of {path} ({fields[5]})" if result.ok else ""
     except (HostError, IndexError, ValueError):
@@ -105,3 +108,26 @@ def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str) -
                           "already in place" if deployed.skipped else "pushed", deployed.version,
                           deployed.environment, deployed.seconds)
     return deployed
+
+
+def deploy_hosts(inventory: Inventory, bundle: Bundle, version: str) -> tuple[set[str], dict[str, str]]:
+    """Deploy to every host concurrently (a `deploy` task each): (healthy host names, {"host X": why} for the
+    others, whose shards then run on the healthy ones)."""
+    futures = {h.name: deploy.submit(h.name, inventory, bundle, version) for h in inventory.hosts}
+    healthy, failures = set(), {}
+    for name, future in futures.items():
+        future.wait()
+        if future.state.is_completed():
+            healthy.add(name)
+        else:
+            failures[f"host {name}"] = _reason(future.state)
+    return healthy, failures
+
+
+def _reason(state) -> str:
+    """The error a failed task's state holds, as text."""
+    try:
+        state.result()
+    except Exception as exc:
+        return str(exc)
+    return state.message or state.name

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hsextract.store import make_dirs, write_atomic
 
-from .commands import q as quote
+from .commands import quote
 from .inventory import HostSpec, Inventory
 from .transient import is_transient
 

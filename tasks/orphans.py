@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .plan import default_run_name
+
 #: states whose flow run will never report again: its task runs still Pending or Running are orphans
 DEAD = ("CRASHED", "FAILED", "CANCELLED", "COMPLETED")
 
@@ -47,3 +49,23 @@ def close_orphaned_task_runs(client, run: str, run_name_of: Callable[[dict], str
                     f"{current_flow_run_id} continues run {run} and adopts the shard"), force=True)
         closed.append(f"{task_run.name} ({owner})")
     return closed
+
+
+def close_orphans(run: str, log) -> None:
+    """Close the books of earlier runs of `run` whose process died (inside a flow run; never raises): their task
+    runs left Running are set Crashed, since this run adopts their shards."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    try:
+        with get_client(sync_client=True) as client:
+            closed = close_orphaned_task_runs(
+                client, run, lambda p: p.get("run_name") or default_run_name(str(p.get("output"))),
+                ctx.flow_run.id if ctx and ctx.flow_run else None)
+    except Exception as exc:  # bookkeeping: never a reason to stop the run
+        log.warning("run %s: could not close the task runs earlier runs left Running: %s", run, exc)
+        return
+    if closed:
+        log.info("run %s: set Crashed %d task run(s) a dead earlier run left Running: %s", run, len(closed),
+                 ", ".join(closed))

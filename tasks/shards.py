@@ -1,23 +1,27 @@
 """Launch one shard's worker with proof, and supervise it to a verdict (plain functions + Prefect tasks).
 
-launch: write the shard config, start the worker detached, and return only once the process is alive,
-has printed `STARTED` and written a heartbeat; anything else within the deadline is `ShardFailed`.
-supervise: poll one probe per interval and decide running / stalled / lost / failed / done.
+launch: write the shard's launch.json, start the worker detached (tasks/launch.sh), and return only once the
+process is alive, has printed `STARTED` and written a heartbeat; anything else within the deadline is
+`ShardFailed`. supervise: one probe per interval decides running / stalled / lost / failed / done.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from .commands import control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, q, Probe
+from hsextract.journal import JOURNAL_NAME, shard_dir_name
+from hsextract.options import WorkerOptions
+
+from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, quote
 from .credentials import AWS_ENV_CLEARED, CREDENTIALS_FILE, load_access
 from .hosts import Host, HostError, Result, connect, tail
-from .inventory import Inventory
+from .inventory import HostSpec, Inventory
 
 
 class ShardFailed(Exception):
@@ -26,48 +30,62 @@ class ShardFailed(Exception):
 
 @dataclass(frozen=True)
 class ShardJob:
+    """One shard on one GPU slot of one host: where it runs and the worker's options (`on` makes one)."""
+
     run: str
-    shard: int
-    num_shards: int
     host: str
     gpu: int
     workdir: str
     python: str
-    digest: str
-    out_dir: str             # local output directory as seen on the host
-    worker_args: tuple[str, ...]  # everything but --shard/--num-shards/--status-dir
-    upload: bool = False     # --out s3://...: files wait in <control dir>/spool until verified in the store
+    bundle_sha256: str
+    options: WorkerOptions   # this shard's: --shard, --num-shards, --status-dir (its control dir), --spool ...
     aws_credentials: str | None = None  # block name; its keys reach the host only as a 0600 file
-    env: tuple[tuple[str, str], ...] = ()  # non-secret environment for the worker (region, profile)
+    env: tuple[tuple[str, str], ...] = ()  # non-secret environment for the worker (region)
+
+    @classmethod
+    def on(cls, run: str, spec: HostSpec, gpu: int, bundle_sha256: str, options: WorkerOptions, shard: int,
+           num_shards: int, *, python: str | None = None, aws_credentials: str | None = None,
+           credentials_file: bool = False, env: tuple[tuple[str, str], ...] = ()) -> "ShardJob":
+        """Shard `shard` of `num_shards` on `spec`'s GPU `gpu`: `options` (the run's, any shard) with this shard's
+        index and directories: its control dir under the host's workdir is the worker's status dir, with an
+        s3:// output its spool is in there too, and so is the credentials file when the block has keys."""
+        control = Path(control_dir(spec.workdir, run, shard_dir_name(shard, num_shards)))
+        options = replace(options, shard=shard, num_shards=num_shards, status_dir=control,
+                          spool=control / "spool" if options.upload else None,
+                          aws_credentials_file=control / CREDENTIALS_FILE if credentials_file else None)
+        return cls(run, spec.name, gpu, spec.workdir, python or spec.python, bundle_sha256, options,
+                   aws_credentials, env)
+
+    @property
+    def shard(self) -> int:
+        return self.options.shard
+
+    @property
+    def num_shards(self) -> int:
+        return self.options.num_shards
 
     @property
     def label(self) -> str:
         return f"shard {self.shard}/{self.num_shards} on {self.host} (GPU {self.gpu})"
 
     @property
-    def shard_dir(self) -> str:
-        return f"shard-{self.shard:05d}-of-{self.num_shards:05d}"
-
-    @property
-    def ctrl(self) -> str:
-        return control_dir(self.workdir, self.run, self.shard_dir)
+    def control_dir(self) -> str:
+        """The shard's directory on the host: launch.json, worker.log, pid, heartbeat.json, exit.json..."""
+        return str(self.options.status_dir)
 
     @property
     def journal(self) -> str:
-        root = f"{self.ctrl}/spool" if self.upload else self.out_dir
-        return f"{root}/{self.shard_dir}/journal.jsonl"
-
-    @property
-    def credentials_path(self) -> str:
-        return f"{self.ctrl}/{CREDENTIALS_FILE}"
+        """The journal the worker appends to, on the host (in the output, or in its spool for s3://)."""
+        return str(self.options.shard_dir / JOURNAL_NAME)
 
     def argv(self) -> list[str]:
-        return [*self.worker_args, "--shard", str(self.shard), "--num-shards", str(self.num_shards)]
+        """The worker's command line on the host."""
+        return [self.python, "-m", "hsextract", "extract", *self.options.argv()]
 
 
 @dataclass(frozen=True)
-class Policy:
-    """Deadlines of launch and supervise, in seconds."""
+class Deadlines:
+    """How long launch and supervise wait for each thing, in seconds."""
 
     launch_timeout_s: float = 60.0     # from start to STARTED + first heartbeat
     poll_interval_s: float = 2.0
@@ -79,6 +97,8 @@ class Policy:
 
 @dataclass
 class Launched:
+    """A worker proved running: its pid and start time (together: this process, not a reused pid)."""
+
     pid: int
     start: str
     adopted: bool
@@ -92,49 +112,52 @@ def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Resul
     if result is not None:
         parts.append(result.describe())
     if probe is not None:
-        parts.append(f"worker log ({job.ctrl}/worker.log) tail:\n{tail(probe.log).strip() or '(empty)'}")
+        parts.append(f"worker log ({job.control_dir}/worker.log) tail:\n{tail(probe.log).strip() or '(empty)'}")
     return ShardFailed("\n".join(parts))
 
 
 def probe(host: Host, job: ShardJob, timeout: float) -> Probe:
-    return parse_probe(host.run(probe_cmd(job.ctrl, job.journal), timeout).stdout)
+    """One round trip: the shard's pid state, STARTED line, heartbeat, exit status, journal tail, log tail."""
+    return parse_probe(host.run(probe_cmd(job.control_dir, job.journal), timeout).stdout)
 
 
-def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
+def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
+    """Start (or adopt) the shard's worker and wait for its proof of life; ShardFailed with the reason and
+    the worker log's tail otherwise."""
     started = time.monotonic()
-    config = json.dumps({**asdict(job), "argv": job.argv()}, indent=1).encode()
-    host.put(config, f"{job.ctrl}/launch.json", policy.command_timeout_s)
+    config = json.dumps({**asdict(job), "argv": job.argv()}, indent=1, default=str).encode()
+    host.put(config, f"{job.control_dir}/launch.json", deadlines.command_timeout_s)
     env, clear = dict(job.env), ()
     if job.aws_credentials:
         access = load_access(job.aws_credentials)
         body = access.credentials_file()
-        if body is not None:  # the keys: a 0600 file, named to the worker by an environment variable
-            host.put(body, job.credentials_path, policy.command_timeout_s, mode=0o600)
-            env["AWS_SHARED_CREDENTIALS_FILE"], clear = job.credentials_path, AWS_ENV_CLEARED
+        if body is not None and job.options.aws_credentials_file:  # the keys: a 0600 file the worker is told of
+            host.put(body, str(job.options.aws_credentials_file), deadlines.command_timeout_s, mode=0o600)
+            clear = AWS_ENV_CLEARED
         elif access.profile:
             env["AWS_PROFILE"] = access.profile
         if access.region:
             env.setdefault("AWS_DEFAULT_REGION", access.region)
-    wait_s = min(5.0, policy.launch_timeout_s)
-    command = launch_cmd(job.ctrl, job.workdir, job.digest, job.python, job.gpu, job.argv(), job.journal, wait_s,
-                         env=env, unset=clear)
-    result = host.run(command, policy.command_timeout_s + wait_s)
+    wait_s = min(5.0, deadlines.launch_timeout_s)
+    command = launch_cmd(job.control_dir, bundle_dir(job.workdir, job.bundle_sha256), job.gpu, job.argv(),
+                         job.journal, wait_s, env=env, unset=clear)
+    result = host.run(command, deadlines.command_timeout_s + wait_s)
     first, _, rest = result.stdout.partition("\n")
     words = first.split()
     if not result.ok or len(words) < 2 or words[0] not in ("LAUNCHED", "ADOPT") or not words[1].isdigit():
         said = (result.stdout + result.stderr).strip()
         what = ("launch printed nothing" if not said else
-                f"launch failed: cannot create the worker log {job.ctrl}/worker.log (not a writable file)"
+                f"launch failed: cannot create the worker log {job.control_dir}/worker.log (not a writable file)"
                 if said.startswith("LOG UNWRITABLE") else
                 "launch failed: another launch of this shard held its launch lock for 30s"
                 if said.startswith("LOCK BUSY") else "launch failed")
         raise _failure(job, what, result=result)
     # no start time: the process was gone before the launcher could read /proc; the probe says why
     pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"
-    state = parse_probe(rest) if rest.strip() else probe(host, job, policy.command_timeout_s)
+    state = parse_probe(rest) if rest.strip() else probe(host, job, deadlines.command_timeout_s)
     while True:
         elapsed = time.monotonic() - started
-        if state.pid != pid or state.pid_start != start:
+        if state.pid != pid or state.recorded_start != start:
             raise _failure(job, f"another launch replaced pid {pid} (now {state.pid})", state)
         if state.started_line and state.heartbeat and (state.alive or _exit_code(state) == 0):
             return Launched(pid, start, adopted, state.started_line, state.heartbeat, round(elapsed, 3))
@@ -146,19 +169,20 @@ def launch_shard(host: Host, job: ShardJob, policy: Policy) -> Launched:
             else:
                 what = f"worker pid {pid} exited with code {code}: {state.exit.get('reason')}"
             raise _failure(job, what + f" (after {elapsed:.1f}s)", state)
-        if elapsed > policy.launch_timeout_s:
-            host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
+        if elapsed > deadlines.launch_timeout_s:
+            host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             missing = "STARTED line" if not state.started_line else "heartbeat"
-            raise _failure(job, f"no {missing} within {policy.launch_timeout_s:.0f}s; killed pid {pid}", state)
+            raise _failure(job, f"no {missing} within {deadlines.launch_timeout_s:.0f}s; killed pid {pid}", state)
         time.sleep(0.5)
-        state = probe(host, job, policy.command_timeout_s)
+        state = probe(host, job, deadlines.command_timeout_s)
 
 
 def _exit_code(state: Probe) -> int | None:
+    """The exit code the worker left in exit.json (None: it left none)."""
     return None if state.exit is None else int(state.exit.get("code", -1))
 
 
-def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Policy, log=None, on_probe=None) -> dict:
+def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: Deadlines, log=None, on_probe=None) -> dict:
     """Poll until the shard is done (returns its summary) or not (raises ShardFailed).
 
     `on_probe(heartbeat, heartbeat_age)`, when given, sees every successful probe (the UI's view)."""
@@ -167,15 +191,15 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Polic
     last_log = 0.0
     while True:
         try:
-            state = probe(host, job, policy.command_timeout_s)
+            state = probe(host, job, deadlines.command_timeout_s)
         except HostError as exc:
             down = time.monotonic() - last_ok
-            if not exc.transient or down > policy.host_timeout_s:
+            if not exc.transient or down > deadlines.host_timeout_s:
                 raise _failure(job, f"host unreachable for {down:.0f}s: {exc}") from None
-            time.sleep(min(policy.poll_interval_s, 1.0))
+            time.sleep(min(deadlines.poll_interval_s, 1.0))
             continue
         last_ok = time.monotonic()
-        if state.pid != launched.pid or state.pid_start != launched.start:
+        if state.pid != launched.pid or state.recorded_start != launched.start:
             raise _failure(job, f"pid {launched.pid} was replaced by another launch (pid {state.pid})", state)
         if on_probe is not None:
             on_probe(state.heartbeat, state.heartbeat_age)
@@ -192,8 +216,8 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Polic
                                 f"(killed -9, OOM-killed, or the host rebooted)", state)
         beat = state.heartbeat or {}
         age = state.heartbeat_age
-        if age is None or age > policy.stall_timeout_s:
-            host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
+        if age is None or age > deadlines.stall_timeout_s:
+            host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             stopped = " (process is stopped, state T)" if state.state == "T" else ""
             raise _failure(job, f"stalled: no heartbeat for {age or 0:.1f}s{stopped}; killed pid {launched.pid}",
                            state)
@@ -202,32 +226,34 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, policy: Polic
         if progress != last_progress:
             last_progress, progress_at = progress, time.monotonic()
         elif (beat.get("phase") in ("extracting", "uploading")
-              and time.monotonic() - progress_at > policy.progress_timeout_s):
-            host.run(kill_cmd(job.ctrl), policy.command_timeout_s)
-            raise _failure(job, f"stalled: no progress for {policy.progress_timeout_s:.0f}s (no sample finished, "
+              and time.monotonic() - progress_at > deadlines.progress_timeout_s):
+            host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
+            raise _failure(job, f"stalled: no progress for {deadlines.progress_timeout_s:.0f}s (no sample finished, "
                                 f"no byte uploaded, phase {beat.get('phase')}); killed", state)
         if log is not None and time.monotonic() - last_log > 30:
             last_log = time.monotonic()
             log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),
                      beat.get("samples_total"), beat.get("tokens_per_s", 0))
-        time.sleep(policy.poll_interval_s)
+        time.sleep(deadlines.poll_interval_s)
 
 
-def forget_credentials(job: ShardJob, inventory: Inventory, timeout: float = 30.0) -> None:
-    """Remove the shard's credentials file from its host (the worker also removes it when it exits)."""
-    if not job.aws_credentials:
+def remove_credentials_file(job: ShardJob, inventory: Inventory, timeout: float = 30.0) -> None:
+    """Remove the shard's credentials file from its host (the worker also removes it when it exits); HostError
+    when the host would not."""
+    if job.options.aws_credentials_file is None:
         return
     with connect(inventory.host(job.host), inventory) as host:
-        result = host.run(f"rm -f {q(job.credentials_path)}", timeout)
+        result = host.run(f"rm -f {quote(job.options.aws_credentials_file)}", timeout)
     if not result.ok:
         raise HostError(job.host, result.command, f"could not remove the credentials file: {result.describe()}",
                         transient=False)
 
 
 @task(name="launch", cache_policy=NO_CACHE, task_run_name="launch-shard-{job.shard}")
-def launch(job: ShardJob, inventory: Inventory, policy: Policy) -> Launched:
+def launch(job: ShardJob, inventory: Inventory, deadlines: Deadlines) -> Launched:
+    """Task: `launch_shard` over a connection of its own."""
     with connect(inventory.host(job.host), inventory) as host:
-        launched = launch_shard(host, job, policy)
+        launched = launch_shard(host, job, deadlines)
     get_run_logger().info("%s: %s pid %d, %s, first heartbeat after %.1fs", job.label,
                           "adopted" if launched.adopted else "running", launched.pid, launched.started_line,
                           launched.seconds)
@@ -235,8 +261,9 @@ def launch(job: ShardJob, inventory: Inventory, policy: Policy) -> Launched:
 
 
 @task(name="supervise", cache_policy=NO_CACHE, task_run_name="supervise-shard-{job.shard}")
-def supervise(job: ShardJob, launched: Launched, inventory: Inventory, policy: Policy, on_probe=None) -> dict:
+def supervise(job: ShardJob, launched: Launched, inventory: Inventory, deadlines: Deadlines, on_probe=None) -> dict:
+    """Task: `supervise_shard` over a connection of its own; returns the shard's summary."""
     with connect(inventory.host(job.host), inventory) as host:
-        summary = supervise_shard(host, job, launched, policy, get_run_logger(), on_probe)
+        summary = supervise_shard(host, job, launched, deadlines, get_run_logger(), on_probe)
     get_run_logger().info("%s: done: %s", job.label, json.dumps(summary))
     return summary

@@ -15,9 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .options import OVERLONG_POLICIES
 from .records import Record
-
-OVERLONG_POLICIES = ("truncate", "skip")
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from .batchfile import Payload, Unsealed, build_payload, write_unsealed
 from .batching import pack, padded_tokens
 from .capture import LayerCapture, read_model_info, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
-from .config import ExtractConfig
 from .errors import Interrupted, ShardIncomplete, UsageError
 from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, write_json_atomic
+from .options import WorkerOptions
 from .records import Bad, Record, iter_records
 from .sharding import shard_of
 from .quant import FP8_ENCODING, SCALE_KEY, quantize
@@ -52,8 +52,8 @@ class Prepared:
 class ShardRun:
     """Runs one shard to completion; `run()` returns the summary or raises (the journal stays valid)."""
 
-    def __init__(self, cfg: ExtractConfig, progress: Progress, capture=LayerCapture):
-        self.cfg = cfg
+    def __init__(self, opts: WorkerOptions, progress: Progress, capture=LayerCapture):
+        self.opts = opts
         self.make_capture = capture  # the model's forward: a seam where tests inject faults (harness.faulty)
         self.progress = progress
         self.skips: Counter[str] = Counter()
@@ -68,27 +68,27 @@ class ShardRun:
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
-        self.cfg.check_arguments()
-        info = read_model_info(self.cfg.model)
-        layer_ids = parse_layer_spec(self.cfg.layers, info.num_layers)
-        self.cfg.prepare_dirs()
+        self.opts.check_inputs()
+        info = read_model_info(self.opts.model)
+        layer_ids = parse_layer_spec(self.opts.layers, info.num_layers)
+        self.opts.prepare_dirs()
         return layer_ids
 
     def lock(self) -> None:
-        self._lock_fd = os.open(self.cfg.shard_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o640)
+        self._lock_fd = os.open(self.opts.shard_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o640)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "another process"
-            raise UsageError(f"shard {self.cfg.shard}/{self.cfg.num_shards}: {self.cfg.shard_dir} is "
+            raise UsageError(f"shard {self.opts.shard}/{self.opts.num_shards}: {self.opts.shard_dir} is "
                              f"already being written by pid {holder}") from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
 
     def clean_shard_dir(self) -> None:
         """Drop temp files and batch files the journal does not name (a kill between rename and journal)."""
-        journaled = {e["file"] for e in read_entries(self.cfg.shard_dir / JOURNAL_NAME) if e.get("kind") == "file"}
-        for path in self.cfg.shard_dir.iterdir():
+        journaled = {e["file"] for e in read_entries(self.opts.shard_dir / JOURNAL_NAME) if e.get("kind") == "file"}
+        for path in self.opts.shard_dir.iterdir():
             half_written = path.name.endswith(".tmp") and (
                 path.name.startswith(".batch-") or not path.name.endswith(f".{os.getpid()}.tmp"))
             if half_written or (path.suffix == ".safetensors" and path.name not in journaled):
@@ -97,12 +97,12 @@ class ShardRun:
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, layer_ids: list[int]) -> dict:
-        cfg = self.cfg
+        opts = self.opts
         self.lock()
-        if cfg.upload:
+        if opts.upload:
             self.start_uploader()
         self.clean_shard_dir()
-        self.journal = Journal(cfg.shard_dir)
+        self.journal = Journal(opts.shard_dir)
         if self.uploader:
             self.resume_uploads()
         self.progress.phase = "reading_data"
@@ -110,20 +110,20 @@ class ShardRun:
         if not pending:
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
-        device = resolve_device(cfg.device)
-        capture = self.make_capture(cfg.model, layer_ids, cfg.include_last, device, resolve_dtype(cfg.dtype, device))
-        encoder = ChatEncoder(load_tokenizer(cfg.model), capture.info.vocab_size, cfg.max_length, cfg.overlong)
+        device = resolve_device(opts.device)
+        capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, resolve_dtype(opts.dtype, device))
+        encoder = ChatEncoder(load_tokenizer(opts.model), capture.info.vocab_size, opts.max_length, opts.overlong)
         self.metadata = {
-            "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": cfg.model.name,
+            "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
             "hidden_size": str(capture.hidden_size), "num_model_layers": str(capture.info.num_layers),
             "dtype": str(capture.dtype).removeprefix("torch."), "hsextract_version": __version__,
-            **({"hidden_states_encoding": FP8_ENCODING} if cfg.out_dtype == "fp8_e4m3" else {}),
+            **({"hidden_states_encoding": FP8_ENCODING} if opts.out_dtype == "fp8_e4m3" else {}),
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
-        writer = BatchWriter(self, capture.device, hash_workers=cfg.hash_threads or None)
+        writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None)
         try:
-            for batch in pack(self.encoded(encoder, pending), cfg.token_budget, cfg.sort_window):
+            for batch in pack(self.encoded(encoder, pending), opts.token_budget, opts.sort_window):
                 if self.stop_signal:
                     break
                 for part, states in self.forward(capture, batch):
@@ -141,26 +141,26 @@ class ShardRun:
     def start_uploader(self) -> None:
         from .upload import BackgroundUploader, Spool, fetch_journals
 
-        cfg = self.cfg
-        store = S3Store(cfg.upload, s3_client(cfg.s3_endpoint))
-        fetch_journals(store, cfg.out)  # what every earlier run put in the store counts as done
-        high, low = spool_marks(cfg.out, cfg.spool_high_bytes, cfg.spool_low_bytes,
-                                f"shard {cfg.shard}/{cfg.num_shards}")
+        opts = self.opts
+        store = S3Store(opts.upload, s3_client(opts.s3_endpoint))
+        fetch_journals(store, opts.out_dir)  # what every earlier run put in the store counts as done
+        high, low = spool_marks(opts.out_dir, opts.spool_high_bytes, opts.spool_low_bytes,
+                                f"shard {opts.shard}/{opts.num_shards}")
         spool = Spool(high, low, self.progress)
-        self.uploader = BackgroundUploader(store, cfg.shard_dir, spool, cfg.upload_part_bytes,
-                                           memory_bytes=cfg.upload_memory_bytes if cfg.upload_from == "memory" else 0)
+        self.uploader = BackgroundUploader(store, opts.shard_dir, spool, opts.upload_part_bytes,
+                                           memory_bytes=opts.upload_memory_bytes if opts.upload_from == "memory" else 0)
 
     def resume_uploads(self) -> None:
         """Journaled files still on local disk were not verified in the store yet: send them first.
         Journaled files that are gone were deleted after their verification: they are in the store.
         A waiting file that no longer matches its journal entry (the disk or someone altered it) can never
         be uploaded: it is journaled `lost` and deleted, so this run extracts its samples again."""
-        entries = list(read_entries(self.cfg.shard_dir / JOURNAL_NAME))
+        entries = list(read_entries(self.opts.shard_dir / JOURNAL_NAME))
         lost = lost_files(entries)
         for entry in entries:
             if entry.get("kind") != "file" or entry["file"] in lost:
                 continue
-            path = self.cfg.shard_dir / entry["file"]
+            path = self.opts.shard_dir / entry["file"]
             if not path.exists():
                 self.uploader.uploaded.add(entry["file"])
                 continue
@@ -172,22 +172,22 @@ class ShardRun:
                    f"{entry['sha256']} / {entry['bytes']}: deleted, its {len(entry['ids'])} sample(s) redone")
             self.journal.append({"kind": "lost", "file": entry["file"], "why": why}, durable=True)
             path.unlink()
-            print(f"hsextract: shard {self.cfg.shard}/{self.cfg.num_shards}: {why}", file=sys.stderr, flush=True)
+            print(f"hsextract: shard {self.opts.shard}/{self.opts.num_shards}: {why}", file=sys.stderr, flush=True)
 
     def pending_records(self) -> list[Record | Bad]:
         """This shard's records not yet written or skipped by any run; records duplicates as skipped."""
-        state = scan(LocalStore(self.cfg.out))
+        state = scan(LocalStore(self.opts.out_dir))
         seen: set[str] = set()
         pending: list[Record | Bad] = []
-        for item in iter_records(self.cfg.data):
-            if shard_of(item.id, self.cfg.num_shards) != self.cfg.shard:
+        for item in iter_records(self.opts.data):
+            if shard_of(item.id, self.opts.num_shards) != self.opts.shard:
                 continue
             if item.id in seen:
                 if (item.id, item.line) not in state.duplicates:
                     self.skip(item.id, "duplicate_id", "the same id appears earlier in the file", item.line)
                 continue
             seen.add(item.id)
-            if state.finished(item.id) and state.skipped.get(item.id) not in self.cfg.retry_skipped:
+            if state.finished(item.id) and state.skipped.get(item.id) not in self.opts.retry_reasons:
                 self.progress.samples_done += 1
             else:
                 pending.append(item)
@@ -214,7 +214,7 @@ class ShardRun:
             try:
                 states = capture.run([s.input_ids for s in part])
                 states[BAD_KEY] = self.nonfinite_flags(part, states)
-                if self.cfg.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
+                if self.opts.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
                     states["hidden_states"], states[SCALE_KEY] = quantize(states["hidden_states"],
                                                                           capture.hidden_size)
                 oom = None
@@ -291,7 +291,7 @@ class ShardRun:
         if self.uploader:  # bounded local disk: over the high-water mark, wait for uploads to catch up
             self.uploader.spool.reserve(prep.payload.size, self.uploader.failed)
             self.uploader.raise_if_failed()
-        return write_unsealed(self.cfg.shard_dir / prep.name, prep.payload)
+        return write_unsealed(self.opts.shard_dir / prep.name, prep.payload)
 
     def seal_file(self, prep: "Prepared", unsealed: Unsealed) -> None:
         """Make a written file durable and put it in place, then journal it (the journal names only files
@@ -325,14 +325,14 @@ class ShardRun:
             started = time.monotonic()
             self.uploader.drain()  # every file verified in the store, or the upload error
             self.drain_s = time.monotonic() - started
-        state = scan(LocalStore(self.cfg.out))
+        state = scan(LocalStore(self.opts.out_dir))
         missing = [i for i in self.assigned if not state.finished(i)]
         if missing:
-            raise ShardIncomplete(f"shard {self.cfg.shard}/{self.cfg.num_shards}: {len(missing)} sample(s) "
+            raise ShardIncomplete(f"shard {self.opts.shard}/{self.opts.num_shards}: {len(missing)} sample(s) "
                                   f"neither written nor skipped, e.g. {sorted(missing)[:5]}")
         summary = self.summary()
         self.journal.append({"kind": "done", "summary": summary}, durable=True)
-        write_json_atomic(self.cfg.shard_dir / "summary.json", summary)
+        write_json_atomic(self.opts.shard_dir / "summary.json", summary)
         if self.uploader:
             self.uploader.mirror_journal()
         return summary
@@ -531,17 +531,17 @@ def install_signal_handlers(shard: ShardRun) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def run_shard(cfg: ExtractConfig, heartbeat: Heartbeat | None = None, capture=LayerCapture) -> int:
+def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=LayerCapture) -> int:
     """The body of `hsextract extract` after the STARTED line: returns the process exit code.
 
     `heartbeat`, when given, is already beating (the CLI starts it before torch is imported). `capture` makes
     the object that loads the model and runs the forward pass (`LayerCapture`'s signature and `run`)."""
-    progress = heartbeat.progress if heartbeat else Progress(cfg.shard, cfg.num_shards, __version__)
-    shard = ShardRun(cfg, progress, capture)
+    progress = heartbeat.progress if heartbeat else Progress(opts.shard, opts.num_shards, __version__)
+    shard = ShardRun(opts, progress, capture)
     install_signal_handlers(shard)
     started = heartbeat is not None
-    heartbeat = heartbeat or Heartbeat(cfg.status_path, progress, cfg.heartbeat_interval)
-    reporter = ProgressReporter(progress, cfg.progress, cfg.log_interval)
+    heartbeat = heartbeat or Heartbeat(opts.status_path, progress, opts.heartbeat_interval)
+    reporter = ProgressReporter(progress, opts.progress, opts.log_interval)
     code, reason = 1, "unknown"
     try:
         layer_ids = shard.validate()
@@ -572,5 +572,5 @@ def run_shard(cfg: ExtractConfig, heartbeat: Heartbeat | None = None, capture=La
             shard.journal.close()
         heartbeat.finish(code, reason)
     if code != 0:
-        print(f"hsextract: shard {cfg.shard}/{cfg.num_shards} failed: {reason}", file=sys.stderr, flush=True)
+        print(f"hsextract: shard {opts.shard}/{opts.num_shards} failed: {reason}", file=sys.stderr, flush=True)
     return code

@@ -12,7 +12,6 @@ import torch
 
 FP8_ENCODING = "fp8_e4m3_per_token_layer_scale"  # metadata `hidden_states_encoding`
 SCALE_KEY = "hidden_states_scale"
-OUT_DTYPES = ("auto", "fp8_e4m3")
 E4M3_MAX = 448.0
 
 

@@ -50,3 +50,17 @@ def flow_run_pid(flow_run_id) -> int:
         if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
             return int(proc.name)
     raise LookupError(f"no process on this machine runs flow run {flow_run_id}")
+
+
+def shard_table(run_name: str) -> dict[int, dict]:
+    """{shard: row} of the latest version of a run's shard table artifact (what the UI shows)."""
+    import json
+
+    from prefect.artifacts import Artifact
+
+    from tasks.board import table_key
+
+    artifact = Artifact.get(table_key(run_name))
+    assert artifact is not None, f"no shard status table for {run_name}"
+    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    return {row["shard"]: row for row in rows}

@@ -139,13 +139,9 @@ def events(prefix: str, run_name: str) -> list:
 
 
 def table(run_name: str) -> dict[int, dict]:
-    from prefect.artifacts import Artifact
+    from harness.prefect import shard_table
 
-    from tasks.board import table_key
-
-    artifact = Artifact.get(table_key(run_name))
-    assert artifact is not None, f"no shard status table for {run_name}"
-    return {row["shard"]: row for row in json.loads(artifact.data)}
+    return shard_table(run_name)
 
 
 def silent_python(tmp: Path, shard: int, once: bool) -> str:

@@ -166,7 +166,7 @@ def test_a_shard_goes_elsewhere_than_the_host_it_last_failed_on(prefect_server, 
     assert first.is_failed() and "shard 0/1 on bad" in str(pytest.raises(Exception, first.result).value)
     second = run_flow(**kwargs)  # the first free slot is still on `bad`: the shard takes `good`'s
     assert second.is_completed(), second.message
-    from tasks.board import read_table
+    from harness.prefect import shard_table
 
-    row = read_table("placed", 1)[0]
+    row = shard_table("placed")[0]
     assert row["host"] == "good" and row["failed_attempts"] == 1 and row["last_failed_host"] == "bad"

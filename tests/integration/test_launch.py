@@ -15,13 +15,14 @@ from tasks.bundle import build_bundle
 from tasks.deploy import DeployFailed, deploy_host
 from tasks.hosts import HostError, SshHost, connect
 from tasks.inventory import parse_inventory
-from tasks.shards import Policy, ShardFailed, ShardJob, launch_shard, probe, supervise_shard
+from hsextract.options import WorkerOptions
+from tasks.shards import Deadlines, ShardFailed, ShardJob, launch_shard, probe, supervise_shard
 
 from harness.inventory import ssh_host_entry, write_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 1.0
-FAST = Policy(launch_timeout_s=20, poll_interval_s=0.2, stall_timeout_s=1.5 * HEARTBEAT_S, host_timeout_s=4,
+FAST = Deadlines(launch_timeout_s=20, poll_interval_s=0.2, stall_timeout_s=1.5 * HEARTBEAT_S, host_timeout_s=4,
               command_timeout_s=5)
 
 
@@ -41,12 +42,9 @@ def env(farm, tmp_path_factory, tiny_model):
 
 def job_for(env, host: str, shard: int = 0, python: str = sys.executable, run: str = "t", budget: int = 128,
             num_shards: int = 1) -> ShardJob:
-    spec = env["inventory"].host(host)
-    out = f"{env['base']}/out-{run}"
-    args = ("--model", str(env["model"]), "--data", str(env["data"]), "--out", out, "--layers", "1,3",
-            "--token-budget", str(budget), "--progress", "log", "--heartbeat-interval", str(HEARTBEAT_S),
-            "--device", "cpu")
-    return ShardJob(run, shard, num_shards, host, 0, spec.workdir, python, env["digest"], out, args)
+    options = WorkerOptions(model=env["model"], data=env["data"], out=f"{env['base']}/out-{run}", layers="1,3",
+                            token_budget=budget, progress="log", heartbeat_interval=HEARTBEAT_S, device="cpu")
+    return ShardJob.on(run, env["inventory"].host(host), 0, env["digest"], options, shard, num_shards, python=python)
 
 
 def open_host(env, name):
@@ -79,7 +77,7 @@ def test_failed_launch_is_fast_and_says_why(env, case, tmp_path):
               "log_unwritable": sys.executable}[case]
     job = job_for(env, "h2", python=python, run=f"bad-{case}")
     if case == "log_unwritable":
-        Path(job.ctrl, "worker.log").mkdir(parents=True)
+        Path(job.control_dir, "worker.log").mkdir(parents=True)
     started = time.monotonic()
     with open_host(env, "h2") as host, pytest.raises(ShardFailed) as failed:
         launch_shard(host, job, FAST)
@@ -226,7 +224,7 @@ def test_unchanged_bundle_is_skipped_changed_one_pushed(env, tmp_path):
         changed = build_bundle(tmp_path)
         assert changed.sha256 != env["bundle"].sha256
         pushed = deploy_host(host, changed, "0.1.0")
-        assert not pushed.skipped and pushed.digest == changed.sha256
+        assert not pushed.skipped and pushed.bundle_sha256 == changed.sha256
         listing = host.run(f"cat {host.spec.workdir}/bundles/{changed.sha256}/CHANGED", 5)
         assert listing.stdout == "one more file"
 

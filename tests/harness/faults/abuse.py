@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -40,8 +41,9 @@ def injection(lab: Lab, case: Case, examples: int = 40) -> Outcome:
     from hypothesis import HealthCheck, assume, given, settings
     from hypothesis import strategies as st
 
-    from tasks.commands import (RUN_NAME_PATTERN, check_bundle_cmd, control_dir, env_check_cmd, kill_cmd, launch_cmd,
-                                probe_cmd, unpack_bundle_cmd)
+    from flows.extract import ROOT
+    from tasks.commands import (RUN_NAME_PATTERN, bundle_dir, check_bundle_cmd, control_dir, env_check_cmd, kill_cmd,
+                                launch_cmd, probe_cmd, unpack_bundle_cmd)
     from tasks.hosts import connect
     from tasks.inventory import load_inventory
 
@@ -71,11 +73,15 @@ def injection(lab: Lab, case: Case, examples: int = 40) -> Outcome:
         python.write_text(RECORDER.format(python=sys.executable))
         python.chmod(0o750)
         args = ["--model", v, "--data", f"/data/{v}", "--out", f"file:///out/{v}", "--layers", v]
-        digest = "0" * 64
-        commands = [launch_cmd(ctrl, workdir, digest, str(python), 0, args, f"{ctrl}/j{v}", wait_s=1.0,
+        sha = "0" * 64
+        bundle = Path(bundle_dir(workdir, sha))  # where deploy unpacks the bundle, with the launch script in it
+        (bundle / "tasks").mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "tasks" / "launch.sh", bundle / "tasks" / "launch.sh")
+        argv = [str(python), "-m", "hsextract", "extract", *args, "--status-dir", ctrl]
+        commands = [launch_cmd(ctrl, str(bundle), 0, argv, f"{ctrl}/j{v}", wait_s=1.0,
                                env={"AWS_DEFAULT_REGION": v}, unset=("AWS_PROFILE",)),
-                    probe_cmd(ctrl, f"{ctrl}/j{v}"), kill_cmd(ctrl), check_bundle_cmd(workdir, digest, str(python)),
-                    env_check_cmd(str(python), workdir, digest), unpack_bundle_cmd(workdir, digest, v)]
+                    probe_cmd(ctrl, f"{ctrl}/j{v}"), kill_cmd(ctrl), check_bundle_cmd(workdir, sha, str(python)),
+                    env_check_cmd(str(python), workdir, sha), unpack_bundle_cmd(workdir, sha, v)]
         for command in commands:
             host.run(command, 30)
             counts["commands"] += 1
@@ -171,7 +177,7 @@ real = extract.run_shard
 
 def evil(cfg, heartbeat=None):
     if cfg.shard == 0:  # shard 0 turns on its neighbour, once both are set up
-        other_out = cfg.out / "shard-00001-of-00002"
+        other_out = cfg.out_dir / "shard-00001-of-00002"
         other_ctrl = cfg.status_path.parent / "shard-00001-of-00002"
         deadline = time.time() + 60
         while not (other_out.is_dir() and other_ctrl.is_dir()) and time.time() < deadline:
@@ -179,7 +185,7 @@ def evil(cfg, heartbeat=None):
         tried = {{}}
         for what, path in (("shard 1's output dir", other_out / "evil"), ("shard 1's journal", other_out / "journal.jsonl"),
                            ("shard 1's control dir", other_ctrl / "evil"), ("shard 1's heartbeat", other_ctrl / "heartbeat.json"),
-                           ("the output root", cfg.out / "shard-00009-of-00002"), ("the run's control dir", cfg.status_path.parent / "evil")):
+                           ("the output root", cfg.out_dir / "shard-00009-of-00002"), ("the run's control dir", cfg.status_path.parent / "evil")):
             try:
                 if what == "the output root":
                     path.mkdir()

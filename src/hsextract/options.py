@@ -1,0 +1,217 @@
+"""Every option of `hsextract extract`, its default and its help, in one place: `WorkerOptions`.
+
+The CLI's parser is built from it (`add_arguments`), the orchestrator builds the launch's argument list with
+`argv()` and takes the flow parameters' defaults from its class attributes (`WorkerOptions.token_budget`).
+`check()` validates what needs no file system; `prepare_dirs()` makes and proves the directories. Every
+problem is a `UsageError` naming the option. No torch here: the orchestrator imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+from .journal import shard_dir_name
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+OUT_DTYPES = ("auto", "fp8_e4m3")
+OVERLONG_POLICIES = ("truncate", "skip")
+UPLOAD_FROM = ("disk", "memory")
+CONFINE_MODES = ("auto", "on", "off")
+PROGRESS_MODES = ("auto", "bar", "log")
+
+
+def option(text: str, *, required: bool = False, choices: tuple[str, ...] | None = None, metavar: str | None = None):
+    """The CLI side of a field: its help text, whether the CLI requires it, argparse choices."""
+    return {"help": text, "required": required, "choices": choices, "metavar": metavar}
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """The arguments of one shard's worker. Field `token_budget` is the CLI's `--token-budget`."""
+
+    model: Path = field(default=None, metadata=option("local model directory (config, weights, tokenizer)",
+                                                      required=True))
+    data: Path = field(default=None, metadata=option("JSONL dataset", required=True))
+    out: str = field(default=None, metadata=option("output: a directory, file:// URI or s3://bucket/prefix",
+                                                   required=True))
+    layers: str = field(default=None, metadata=option("dflash:N, eagle3, or a list like 1,16,31", required=True))
+    shard: int = field(default=0, metadata=option("this shard's index, 0..num-shards-1", required=True))
+    num_shards: int = field(default=1, metadata=option("how many shards the dataset is split into", required=True))
+    max_length: int | None = field(default=None, metadata=option("longest sample in tokens (see --overlong)"))
+    overlong: str = field(default="truncate", metadata=option(
+        "samples over --max-length: keep the first tokens (default) or skip them", choices=OVERLONG_POLICIES))
+    token_budget: int = field(default=8192, metadata=option("padded tokens per batch (one file per batch)"))
+    sort_window: int = field(default=1024, metadata=option("samples sorted by length together"))
+    device: str = field(default="auto", metadata=option("cpu, cuda or cuda:N (default: cuda if available)"))
+    dtype: str = field(default="auto", metadata=option(
+        "auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32"))
+    out_dtype: str = field(default="auto", metadata=option(
+        "stored states: auto (the model's dtype, lossless) or fp8_e4m3 (half of bf16, lossy: a scale per token "
+        "and layer; the reader returns bf16)", choices=OUT_DTYPES))
+    include_last: bool = field(default=False, metadata=option("also store the final normed hidden state"))
+    status_dir: Path | None = field(default=None, metadata=option("heartbeat/exit files (default: shard dir)"))
+    heartbeat_interval: float = field(default=2.0, metadata=option("seconds between heartbeats"))
+    log_interval: float = field(default=30.0, metadata=option("seconds between log lines (no terminal)"))
+    progress: str = field(default="auto", metadata=option("a progress bar on a terminal, else log lines",
+                                                          choices=PROGRESS_MODES))
+    spool: Path | None = field(default=None, metadata=option(
+        "with --out s3://...: local directory for files waiting to upload (default: <status dir>/spool, "
+        "else ./hsextract-spool)"))
+    spool_high_gb: float = field(default=64.0, metadata=option("pause extraction above this much waiting"))
+    spool_low_gb: float = field(default=32.0, metadata=option("resume it below this"))
+    s3_endpoint: str | None = field(default=None, metadata=option(
+        "S3-compatible endpoint URL (default: AWS / $AWS_ENDPOINT_URL)"))
+    upload_part_mb: int = field(default=64, metadata=option("multipart part size"))
+    upload_from: str = field(default="disk", metadata=option(
+        "with --out s3://...: upload each file after writing it to the spool (default), or straight from "
+        "memory, writing to the spool only when --upload-memory-gb is full", choices=UPLOAD_FROM))
+    upload_memory_gb: float = field(default=8.0, metadata=option(
+        "--upload-from memory: most bytes held in memory waiting for upload"))
+    hash_threads: int = field(default=0, metadata=option(
+        "batch files hashed (sha256) at once; 0: one per four cores, at most 3"))
+    confine: str = field(default="auto", metadata=option(
+        "restrict this process's writes to its own shard's directories with Linux Landlock: auto (when the "
+        "kernel has it, default), on (fail without it), off", choices=CONFINE_MODES))
+    retry_skipped: str = field(default="", metadata=option(
+        "comma-separated skip reasons to try again (e.g. oom,nonfinite_states)", metavar="REASONS"))
+    aws_credentials_file: Path | None = field(default=None, metadata=option(
+        "a shared-credentials file for S3 that this worker reads and removes when it exits (the orchestrator "
+        "writes it, mode 0600, for the life of one shard)"))
+
+    # --- the command line ------------------------------------------------------------------------------------
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One `--flag` per field, with its default, help and choices."""
+        for f in dataclasses.fields(cls):
+            meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=meta["help"])
+                continue
+            kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+            if f.type in ("Path", "Path | None"):
+                kind = Path
+            parser.add_argument(flag, type=kind, required=meta["required"], help=meta["help"],
+                                choices=meta["choices"], metavar=meta["metavar"],
+                                default=None if meta["required"] else f.default)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "WorkerOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def argv(self) -> list[str]:
+        """The command-line arguments that give these options: the required ones, then every other option
+        that differs from its default, in field order."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["required"] and value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                out.append(flag)
+            else:
+                out += [flag, repr(value) if isinstance(value, float) else str(value)]
+        return out
+
+    # --- what the options mean -------------------------------------------------------------------------------
+    @property
+    def upload(self) -> str | None:
+        """The `s3://` URI the files go to, when the output is in S3 (they are written to the spool first)."""
+        return self.out if self.out.startswith("s3://") else None
+
+    @property
+    def out_dir(self) -> Path:
+        """Where this worker writes batch files and journals: the output itself, or the spool for S3."""
+        if self.upload:
+            return self.spool or (self.status_dir / "spool" if self.status_dir else Path("hsextract-spool"))
+        return Path(self.out.removeprefix("file://"))
+
+    @property
+    def shard_dir(self) -> Path:
+        return self.out_dir / shard_dir_name(self.shard, self.num_shards)
+
+    @property
+    def status_path(self) -> Path:
+        """Where heartbeat.json and exit.json go: --status-dir, else the shard dir."""
+        return self.status_dir or self.shard_dir
+
+    @property
+    def retry_reasons(self) -> frozenset[str]:
+        return frozenset(r for r in self.retry_skipped.split(",") if r)
+
+    @property
+    def spool_high_bytes(self) -> int:
+        return int(self.spool_high_gb * 2**30)
+
+    @property
+    def spool_low_bytes(self) -> int:
+        return int(self.spool_low_gb * 2**30)
+
+    @property
+    def upload_memory_bytes(self) -> int:
+        return int(self.upload_memory_gb * 2**30)
+
+    @property
+    def upload_part_bytes(self) -> int:
+        return self.upload_part_mb << 20
+
+    # --- validation -------------------------------------------------------------------------------------------
+    def check_out(self) -> None:
+        """The output is a local path, file:// or s3:// (what `out_dir` and `upload` can read)."""
+        if "://" in self.out and not self.out.startswith(("file://", "s3://")):
+            raise UsageError(f"--out {self.out!r}: use a local path, file://... or s3://bucket/prefix")
+
+    def check(self) -> None:
+        """Checks that need nothing but the options themselves (the orchestrator can run them before a launch)."""
+        self.check_out()
+        if self.num_shards < 1:
+            raise UsageError(f"--num-shards {self.num_shards}: must be at least 1")
+        if not 0 <= self.shard < self.num_shards:
+            raise UsageError(f"--shard {self.shard}: must be in 0..{self.num_shards - 1} for --num-shards {self.num_shards}")
+        for name, value in (("--token-budget", self.token_budget), ("--sort-window", self.sort_window)):
+            if value < 1:
+                raise UsageError(f"{name} {value}: must be a positive integer")
+        if self.max_length is not None and self.max_length < 2:
+            raise UsageError(f"--max-length {self.max_length}: must be at least 2")
+        for name, value, allowed in (("--overlong", self.overlong, OVERLONG_POLICIES), ("--dtype", self.dtype, DTYPES),
+                                     ("--out-dtype", self.out_dtype, OUT_DTYPES),
+                                     ("--upload-from", self.upload_from, UPLOAD_FROM),
+                                     ("--confine", self.confine, CONFINE_MODES)):
+            if value not in allowed:
+                raise UsageError(f"{name} {value!r}: choose one of {allowed}")
+        if self.upload is not None and not self.upload[5:].split("/")[0]:
+            raise UsageError(f"--out {self.upload!r}: expected s3://bucket/prefix")
+        if not 0 < self.spool_low_bytes <= self.spool_high_bytes:
+            raise UsageError(f"--spool-low-gb/--spool-high-gb: need 0 < low <= high "
+                             f"(got {self.spool_low_gb:g} and {self.spool_high_gb:g})")
+        if self.upload_from == "memory" and self.upload is None:
+            raise UsageError("--upload-from memory: only with --out s3://bucket/prefix (a local output is the disk)")
+        if self.hash_threads < 0:
+            raise UsageError(f"--hash-threads {self.hash_threads}: must be 0 (auto) or more")
+        if self.upload_memory_bytes <= 0:
+            raise UsageError(f"--upload-memory-gb {self.upload_memory_gb:g}: must be positive")
+        if self.upload_part_bytes < 5 << 20:
+            raise UsageError(f"--upload-part-mb {self.upload_part_mb}: S3 parts are at least 5 MB")
+
+    def check_inputs(self) -> None:
+        """`check()`, then that the dataset exists (the model is checked when its config is read)."""
+        self.check()
+        if not self.data.is_file():
+            raise UsageError(f"--data {str(self.data)!r}: no such file")
+
+    def prepare_dirs(self) -> None:
+        """Create the shard and status directories and prove they are writable."""
+        for label, path in (("--out", self.shard_dir), ("--status-dir", self.status_path)):
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+                    pass
+            except OSError as exc:
+                raise UsageError(f"{label} {str(path)!r}: not writable ({exc.strerror or exc})") from None
+        os.chmod(self.shard_dir, 0o750)

@@ -1,0 +1,178 @@
+"""Plan a run of the `extract` flow before anything touches a host.
+
+`plan_run(parameters)` validates what no type check can (spool marks, upload mode, shard indices, the
+inventory, the credentials block), opens the output's store, reads which shards are already complete and
+the attempt record (tasks/attempts.py), and says what this run will do: which shards are done, capped or to
+run, with which worker options, deadlines and code bundle. Everything it refuses, it refuses here, naming
+the parameter, before any launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hsextract.options import WorkerOptions
+from hsextract.store import NoSuchBucket, Store, open_store, scan
+
+from .attempts import AttemptRecord
+from .bundle import Bundle, build_bundle
+from .credentials import S3Access, load_access
+from .inventory import Inventory, InventoryError, load_inventory, parse_inventory
+from .shards import Deadlines, ShardJob
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: what the code bundle pushed to the hosts is made of
+
+
+class RunIncomplete(Exception):
+    """Some requested shard is not done; the message lists every failure with host and reason."""
+
+
+@dataclass
+class Plan:
+    """What a run will do, decided before any host is touched."""
+
+    run: str
+    output: str
+    data: str
+    num_shards: int
+    requested: list[int]
+    already: set[int]                # complete per the journals: not launched
+    capped: set[int]                 # failed max_attempts times: not launched
+    todo: deque                      # the shards to launch, in order
+    inventory: Inventory
+    store: Store                     # the output, as the orchestrator reaches it
+    attempts: AttemptRecord
+    options: WorkerOptions           # every shard's worker options but its index and directories
+    deadlines: Deadlines
+    access: S3Access
+    aws_credentials: str | None
+    bundle: Bundle
+    failures: dict[str, str] = field(default_factory=dict)  # "shard N": why, for the capped ones
+
+    @property
+    def slots(self) -> list[tuple[str, int]]:
+        return self.inventory.slots
+
+    def reachable(self) -> bool:
+        """Whether the orchestrator sees the output (reconcile, the attempt record): any s3://; a file:// one
+        that exists here, or that every host is this machine."""
+        return reachable(self.store, self.inventory)
+
+    def job(self, slot: tuple[str, int], shard: int) -> ShardJob:
+        """Shard `shard` on GPU slot `slot` (host name, GPU index)."""
+        upload = self.options.upload is not None
+        return ShardJob.on(self.run, self.inventory.host(slot[0]), slot[1], self.bundle.sha256, self.options, shard,
+                           self.num_shards, aws_credentials=self.aws_credentials if upload else None,
+                           credentials_file=upload and self.access.has_keys,
+                           env=(("AWS_DEFAULT_REGION", self.access.region),) if upload and self.access.region else ())
+
+
+def default_run_name(output: str) -> str:
+    """The run name a run of `output` gets when it names none: the same output, the same run."""
+    return "run-" + hashlib.sha256(output.encode()).hexdigest()[:10]
+
+
+def worker_version(root: Path = ROOT) -> str:
+    """The worker version of the bundle (read from its source: the hosts must print exactly this)."""
+    text = (root / "src" / "hsextract" / "__init__.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+
+
+def resolve_inventory(hosts: str) -> Inventory:
+    """A YAML path, or the name of a HostInventory block holding the same YAML."""
+    if Path(hosts).expanduser().is_file():
+        return load_inventory(hosts)
+    try:
+        from .blocks import HostInventory
+
+        block = HostInventory.load(hosts)
+    except Exception as exc:
+        raise InventoryError(f"hosts={hosts!r}: neither an inventory file nor a HostInventory block ({exc})") from None
+    return parse_inventory(block.yaml, f"block {hosts}")
+
+
+def worker_options(p: dict, access: S3Access) -> WorkerOptions:
+    """The workers' options from the flow's parameters (the flow's defaults are WorkerOptions' own)."""
+    upload = p["output"].startswith("s3://")
+    return WorkerOptions(
+        model=Path(p["model"]), data=Path(p["data"]), out=p["output"] if upload else p["output"].removeprefix("file://"),
+        layers=p["layers"], max_length=p["max_length"], token_budget=p["token_budget"], device=p["device"],
+        dtype=p["dtype"], out_dtype=p["out_dtype"], progress="log", confine=p["confine"],
+        heartbeat_interval=p["heartbeat_interval_s"], s3_endpoint=access.endpoint_url if upload else None,
+        spool_high_gb=p["spool_high_gb"], spool_low_gb=p["spool_low_gb"], upload_from=p["upload_from"],
+        upload_memory_gb=p["upload_memory_gb"])
+
+
+def check_parameters(p: dict) -> None:
+    """What the parameters' types cannot say; ValueError naming the parameter."""
+    if not p["output"].startswith(("file:///", "/", "s3://")):
+        raise ValueError(f"output={p['output']!r}: use file:///absolute/path or s3://bucket/prefix")
+    if p["spool_low_gb"] > p["spool_high_gb"]:
+        raise ValueError(f"spool_low_gb={p['spool_low_gb']:g} is over spool_high_gb={p['spool_high_gb']:g}: "
+                         f"extraction pauses above the high-water mark and resumes below the low one")
+    if p["upload_from"] == "memory" and not p["output"].startswith("s3://"):
+        raise ValueError(f"upload_from='memory' needs an s3:// output, not output={p['output']!r}: files go from "
+                         f"memory straight to the store, so there is nothing to upload to on a local path")
+
+
+def plan_run(p: dict, log) -> Plan:
+    """The plan for the flow's parameters `p` (see flows/extract.py); raises before any launch on bad input."""
+    run = p["run_name"] or default_run_name(p["output"])
+    if p["rerun_depth"] > p["max_reruns"]:
+        raise RunIncomplete(f"run {run}: this is automated re-run {p['rerun_depth']}, over max_reruns="
+                            f"{p['max_reruns']}: not run. Look at the failures of the earlier runs, then start it "
+                            f"again by hand")
+    inventory = resolve_inventory(p["hosts"])
+    check_parameters(p)
+    access = load_access(p["aws_credentials"])  # fails here, before any launch, on a missing or bad block
+    num_shards = p["num_shards"] = p["num_shards"] or len(inventory.slots)
+    requested = sorted(set(p["shards"])) if p["shards"] is not None else list(range(num_shards))
+    if bad := [s for s in requested if not 0 <= s < num_shards]:
+        raise ValueError(f"shards={bad}: out of range for num_shards={num_shards}")
+    store = open_store(p["output"], client=access.client)
+    already = done_shards(store, num_shards, run, log) if p["shards"] is None else set()
+    attempts = AttemptRecord(store, run, num_shards, log, lambda: reachable(store, inventory))
+    if p["reset_attempts"]:
+        attempts.reset(requested)
+    capped = {s for s in requested if s not in already and attempts.get(s).failed_attempts >= p["max_attempts"]}
+    plan = Plan(run, p["output"], p["data"], num_shards, requested, already, capped,
+                deque(s for s in requested if s not in already and s not in capped), inventory, store, attempts, worker_options(p, access), deadlines(p), access, p["aws_credentials"], build_bundle(ROOT))
+    for s in sorted(capped):
+        seen = attempts.get(s)
+        plan.failures[f"shard {s}"] = (
+            f"attempt cap reached: failed {seen.failed_attempts} time(s) (max_attempts={p['max_attempts']}), last on "
+            f"host {seen.last_failed_host or '?'}: {seen.last_error or '?'}; not launched again. Fix the cause, "
+            f"then run with reset_attempts=true")
+    log.info("run %s: %d shard(s) requested, %d already complete, %d at the attempt cap, %d GPU slot(s) on "
+             "%d host(s)", run, len(requested), len(already), len(capped), len(inventory.slots), len(inventory.hosts))
+    return plan
+
+
+def reachable(store: Store, inventory: Inventory) -> bool:
+    root = store.local_path("")
+    return root is None or root.is_dir() or all(h.is_local for h in inventory.hosts)
+
+
+def deadlines(p: dict) -> Deadlines:
+    return Deadlines(launch_timeout_s=p["launch_timeout_s"], poll_interval_s=p["poll_interval_s"],
+                     stall_timeout_s=p["stall_timeout_s"], host_timeout_s=p["host_timeout_s"],
+                     command_timeout_s=min(Deadlines.command_timeout_s, p["host_timeout_s"]),  # a probe waits no longer
+                     progress_timeout_s=p["progress_timeout_s"])
+
+
+def done_shards(store: Store, num_shards: int, run: str, log) -> set[int]:
+    """Shards of `num_shards` whose journal (in the output, as far as the orchestrator can read it) ends with
+    `done`: skipped without touching a host. A missing bucket stops the run here, before any launch."""
+    try:
+        state = scan(store)
+    except NoSuchBucket as exc:
+        raise ValueError(f"output={store.uri!r}: {exc}") from None
+    except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
+        log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
+                    "each skips what its journal already holds", run, store.uri, exc)
+        return set()
+    return {shard for shard in range(num_shards) if state.done(shard, num_shards)}

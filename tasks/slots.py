@@ -1,0 +1,106 @@
+"""Run a plan's shards on the GPU slots of the healthy hosts: one shard per slot at a time, until none is left.
+
+Each shard has a driver thread (with the flow's context) that calls the launch task, then the supervise
+task, directly: a failed launch raises in its driver, so no task is ever left Pending or NotReady, and
+results never queue behind one scheduler thread. A slot that frees up takes the next shard; a shard that
+last failed on some host goes to a slot on another host when one is free. Every state change goes to the
+board (the attempt record, the UI, events).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextvars
+import threading
+import time
+from collections import deque
+
+from prefect import get_run_logger
+
+from .board import Board
+from .plan import Plan
+from .shards import ShardJob, launch, remove_credentials_file, supervise
+
+
+def run_shards(plan: Plan, healthy: set[str], board: Board) -> tuple[dict[int, str], dict[str, str]]:
+    """Launch then supervise every shard of `plan.todo` on the slots of the `healthy` hosts.
+    Returns ({shard: "done"}, {"shard N": why it failed})."""
+    todo = deque(plan.todo)
+    free = deque(slot for slot in plan.slots if slot[0] in healthy)
+    if not todo:
+        return {}, {}
+    if not free:
+        why = "no healthy host to run it on (every host failed its deploy check)"
+        for shard in todo:
+            board.set_state(shard, "failed", why)
+        return {}, {f"shard {shard}": why for shard in todo}
+    driver = Driver(plan, board, first_wave=min(len(todo), len(free)))
+    outcomes, failures = {}, {}
+    active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
+    with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as pool:
+        while todo or active:
+            while todo and free:
+                shard = todo.popleft()
+                slot = take_slot(free, plan.attempts.get(shard).last_failed_host)
+                job = plan.job(slot, shard)
+                active[pool.submit(contextvars.copy_context().run, driver.drive, job)] = (job, slot)
+            done, _ = cf.wait(list(active), return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                job, slot = active.pop(future)
+                free.append(slot)
+                try:
+                    future.result()
+                    outcomes[job.shard] = "done"
+                except Exception as exc:  # the task's own error: host, shard, command, output
+                    failures[f"shard {job.shard}"] = str(exc) or type(exc).__name__
+    return outcomes, failures
+
+
+def take_slot(free: deque, avoid: str) -> tuple[str, int]:
+    """The first free slot on a host other than `avoid` (where the shard last failed), else the first one."""
+    for i, slot in enumerate(free):
+        if slot[0] != avoid:
+            del free[i]
+            return slot
+    return free.popleft()
+
+
+class Driver:
+    """Takes one shard through launch and supervise, telling the board every change of its state."""
+
+    def __init__(self, plan: Plan, board: Board, first_wave: int):
+        self.plan, self.board, self.first_wave = plan, board, first_wave
+        self.started = time.monotonic()
+        self.proved = 0
+        self.lock = threading.Lock()
+        self.log = get_run_logger()
+
+    def drive(self, job: ShardJob) -> dict:
+        """The shard's summary when it is done; its task's error otherwise (after the board heard of it)."""
+        board, inventory, deadlines = self.board, self.plan.inventory, self.plan.deadlines
+        try:
+            board.set_state(job.shard, "launching", host=job.host, gpu=job.gpu)
+            launched = launch(job, inventory, deadlines)
+            board.set_state(job.shard, "running", "adopted" if launched.adopted else "launched", pid=launched.pid,
+                            adopted=launched.adopted, seconds_to_proof=launched.seconds)
+            self._proved()
+            summary = supervise(job, launched, inventory, deadlines,
+                                on_probe=lambda beat, age: board.beat(job.shard, beat, age))
+            board.set_state(job.shard, "done", "complete", samples_done=summary.get("samples_done"))
+            return summary
+        except Exception as exc:
+            board.set_state(job.shard, "failed", str(exc) or type(exc).__name__)
+            raise
+        finally:
+            try:
+                remove_credentials_file(job, inventory)
+            except Exception as exc:  # the verdict stands; say the file may still be there
+                self.log.warning("%s: credentials file %s may remain on the host: %s", job.label,
+                                 job.options.aws_credentials_file, exc)
+
+    def _proved(self) -> None:
+        with self.lock:
+            self.proved += 1
+            if self.proved == self.first_wave:
+                self.log.info("all %d shard(s) of the first wave verified running, %.1fs after the first launch",
+                              self.first_wave, time.monotonic() - self.started)
