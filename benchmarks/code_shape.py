@@ -8,7 +8,7 @@ Reads the product's Python files (src/hsextract, tasks, flows, deployments) as t
 - places that branch on the output's scheme: a call of `startswith`/`removeprefix`/`endswith` with a
   `s3://` or `file://` literal, a comparison with such a literal, or `"://" in ...`;
 - public definitions (module-level functions and classes, and methods, whose names do not start with `_`)
-  that have a docstring.
+  that have a docstring (a method overriding a documented one of a base class in its module has it).
 `--root` measures another checkout (e.g. a `git worktree` of an older commit) for a before/after table.
 """
 
@@ -55,14 +55,27 @@ def scheme_branches(tree: ast.AST) -> list[int]:
 
 
 def public_definitions(tree: ast.Module):
-    """(name, has docstring) of module-level functions and classes and their methods, public ones only."""
+    """(name, has docstring) of module-level functions and classes and their methods, public ones only. A method
+    that overrides a documented method of a base class in the same module has that one's docstring (as
+    `inspect.getdoc` says)."""
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def documented(cls: ast.ClassDef) -> set[str]:
+        names = {item.name for item in cls.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and ast.get_docstring(item) is not None}
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                names |= documented(classes[base.id])
+        return names
+
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
             yield node.name, ast.get_docstring(node) is not None
             if isinstance(node, ast.ClassDef):
+                inherited = documented(node)
                 for item in node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
-                        yield f"{node.name}.{item.name}", ast.get_docstring(item) is not None
+                        yield f"{node.name}.{item.name}", item.name in inherited
 
 
 def measure(root: Path) -> dict:

@@ -187,7 +187,8 @@ def main() -> int:
         model, data = work / "model", work / "data.jsonl"
         subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "  # run in benchmarks/
                         "from gpu_throughput import build_data, build_model; "
-                        "build_model(Path(sys.argv[1]), int(sys.argv[2])); build_data(Path(sys.argv[3]), int(sys.argv[4]))",
+                        "build_model(Path(sys.argv[1]), int(sys.argv[2])); "
+                        "build_data(Path(sys.argv[3]), int(sys.argv[4]))",
                         str(model), str(args.model_layers), str(data),
                         str(args.samples)], check=True, cwd=Path(__file__).parent)
     report = {"gpus": gpus, "shards_per_gpu": per_gpu, "slots": slots, "model_layers": args.model_layers,

@@ -62,8 +62,8 @@ def detection(work: Path, farm, model, data, heartbeat: float) -> tuple[float, f
     with connect(inventory.hosts[0], inventory) as host:
         deploy_host(host, build_bundle(ROOT), "0.1.0")
         for n, signal in enumerate(("KILL", "STOP")):
-            options = WorkerOptions(model=model, data=data, out=f"{work}/detect-out-{n}", layers="1,3", token_budget=128,
-                                    heartbeat_interval=heartbeat, device="cpu", progress="log")
+            options = WorkerOptions(model=model, data=data, out=f"{work}/detect-out-{n}", layers="1,3",
+                                    token_budget=128, heartbeat_interval=heartbeat, device="cpu", progress="log")
             job = ShardJob.on(f"d{n}", inventory.hosts[0], 0, build_bundle(ROOT).sha256, options, 0, 1)
             launched = launch_shard(host, job, deadlines)
             while (probe(host, job, 5).heartbeat or {}).get("phase") != "extracting":

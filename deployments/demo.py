@@ -17,16 +17,19 @@ import sys
 from pathlib import Path
 
 from flows.extract import ROOT, extract
+from hsextract.store import open_store
 
 DEMO = dict(layers="dflash:3", token_budget=2048, heartbeat_interval_s=1.0, poll_interval_s=0.5)
 
 
 def hsextract(*args: str) -> dict:
+    """Run `python -m hsextract ARGS`; its last line of output, parsed as JSON."""
     out = subprocess.run([sys.executable, "-m", "hsextract", *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
+    """Build the tiny assets, run the flow (directly, or served), then count and verify what landed."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workdir", type=Path, default=ROOT / "demo-run")
     ap.add_argument("--samples", type=int, default=200)
@@ -97,8 +100,10 @@ def served(work: Path, assets: dict, output: str, hosts: str, run_name: str) -> 
         table = Artifact.get(table_key(run_name))
         rows = json.loads(table.data) if table else []
     summary = {"run_name": run_name, "shards": {str(r["shard"]): r["state"] for r in rows}}
-    sealed = Path(output.removeprefix("file://"), "_SUCCESS")  # the reconcile's summary, written when complete
-    summary["reconcile"] = json.loads(sealed.read_text()) if sealed.is_file() else {}
+    try:  # the reconcile's summary, written when complete
+        summary["reconcile"] = json.loads(open_store(output).read("_SUCCESS"))
+    except FileNotFoundError:
+        summary["reconcile"] = {}
     ui = env["PREFECT_API_URL"].removesuffix("/api")
     pids = " ".join(str(p) for p in ([server.process.pid] if server else []) + [worker.pid])
     return summary, (f"UI: {ui}  (flow runs, the shard table and progress artifacts, events)\n"

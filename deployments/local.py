@@ -20,6 +20,7 @@ PREFECT = [sys.executable, "-m", "prefect"]
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -38,6 +39,7 @@ class PrefectServer:
 
     @property
     def env(self) -> dict:
+        """The environment that points Prefect clients and workers at this server."""
         return {"PREFECT_API_URL": self.url, "PREFECT_HOME": str(self.home),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 

@@ -1,7 +1,9 @@
 """Deployment `qwen` of flow `extract` (the Qwen3.6-27B DFlash recipe), its scheduled re-run, and automations.
 
-    python -m deployments.qwen --model /models/Qwen3.6-27B --data s3://bucket/chats.jsonl \\
+    python -m deployments.qwen --model /models/Qwen3.6-27B --data /data/chats.jsonl \\
         --output s3://bucket/hidden/qwen36 --hosts gpu-fleet --aws-credentials hsextract-s3
+
+(`--model` and `--data` are paths on every host: the dataset is a JSONL file there, not an s3:// URI.)
 
 registers, on the Prefect server of PREFECT_API_URL, idempotently (run it again to change anything):
 - the process work pool (default `hsextract`); start its worker with `prefect worker start --pool hsextract`;
@@ -43,11 +45,13 @@ OF_OUR_DEPLOYMENTS = [{"prefect.resource.role": "flow", "prefect.resource.name":
 
 
 def defaults() -> dict:
+    """The flow's parameter defaults (a crashed run's re-run fills the parameters it lacks with them)."""
     return {name: p.default for name, p in inspect.signature(extract.fn).parameters.items()
             if p.default is not inspect.Parameter.empty}
 
 
 def ensure_pool(name: str) -> None:
+    """Create the process work pool `name`, or check that the one of that name is a process pool."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
@@ -103,6 +107,7 @@ def rerun_parameters(source: str) -> dict:
 
 
 def automations(rerun_delay: timedelta = timedelta(0), zombie_after: timedelta = ZOMBIE_AFTER) -> list:
+    """The three automations (re-run incomplete shards, mark silent runs Crashed, re-run Crashed runs)."""
     from prefect.automations import (Automation, ChangeFlowRunState, EventTrigger, Posture, ResourceSpecification,
                                      RunDeployment)
     from prefect.client.schemas.objects import StateType
@@ -187,6 +192,7 @@ def _seconds(text: str) -> timedelta:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m deployments.qwen`: register everything, print what was registered and what to run next."""
     ap = argparse.ArgumentParser(prog="python -m deployments.qwen", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model directory as seen on the hosts")

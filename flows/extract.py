@@ -107,8 +107,8 @@ def extract(
         raise incomplete(plan, summary["shards"], failures, params, log)
     log.info("run %s: all %d requested shard(s) complete", plan.run, len(plan.requested))
     if not (plan.reachable() and Path(data).is_file()):
-        log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the "
-                    "orchestrator (file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)
+        log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the orchestrator "
+                    "(file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)
         return summary
     summary["reconcile"] = reconcile(plan.store, data, plan.num_shards, verify_checksums,
                                      artifact_key=f"reconcile-{run_key(plan.run)}")

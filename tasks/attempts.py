@@ -142,9 +142,12 @@ class AttemptRecord:
 
             try:
                 written = self.store.update(self.key, apply)
-            except Exception as exc:  # the run goes on; what it could not record, it says
-                self._warn(f"{self.store.where(self.key)} not written ({type(exc).__name__}: {exc}): the attempt "
-                           f"cap may count fewer failures")
+            except Exception as exc:  # the run goes on; the changes wait for the next write, and it says so
+                with self._lock:
+                    for name, changes in pending.items():
+                        self._pending[name][:0] = changes
+                self._warn(f"{self.store.where(self.key)} not written yet ({type(exc).__name__}: {exc}): tried "
+                           f"again with the next change and at the end of the run")
                 return
             with self._lock:  # the stored record (other runs' changes included), plus what came in meanwhile
                 self._shards = self._parse(written)

@@ -63,6 +63,7 @@ class Row:
     progress_sent: float = -1.0
 
     def table(self) -> dict:
+        """The row as the table shows it (without the attempt columns, which come from the record)."""
         return {"shard": self.shard, "of": self.num_shards, "host": self.host, "gpu": self.gpu, "pid": self.pid, "state": self.state,
                 "samples": f"{self.samples_done}/{self.samples_total}", "skipped": self.skipped,
                 "tokens_per_s": round(self.tokens_per_s), "heartbeat_age_s":
@@ -206,4 +207,5 @@ class Board:
         self._dirty.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.attempts.write()  # what an earlier write could not store
         self.publish()

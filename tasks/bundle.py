@@ -25,6 +25,7 @@ IGNORE_FILE = ".prefectignore"
 
 @dataclass(frozen=True)
 class Bundle:
+    """The code bundle: a deterministic tar.gz, its sha256 (what a host proves it holds), and its files."""
     data: bytes  # a .tar.gz
     sha256: str  # hex of `data`
     files: list[str]  # posix relative paths, sorted

@@ -22,6 +22,7 @@ class CredentialsError(Exception):
 
 @dataclass(frozen=True)
 class S3Access:
+    """How the orchestrator and the workers reach S3: endpoint and region, and the keys (never printed: repr=False)."""
     endpoint_url: str | None = None
     region: str | None = None
     access_key_id: str | None = field(default=None, repr=False)
@@ -31,6 +32,7 @@ class S3Access:
 
     @property
     def has_keys(self) -> bool:
+        """Whether the block holds an access key pair (sent to the hosts as a 0600 file)."""
         return bool(self.access_key_id and self.secret_access_key)
 
     def credentials_file(self) -> bytes | None:
@@ -54,6 +56,7 @@ class S3Access:
         return kwargs
 
     def client(self):
+        """A boto3 S3 client for the orchestrator's own calls (planning, reconcile, the attempt record)."""
         from hsextract.store import s3_client
 
         if self.profile and not self.has_keys:

@@ -56,6 +56,8 @@ def _free_space(host: Host, path: str) -> str:
 
 
 def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0) -> Deployed:
+    """Prove `host` holds `bundle` and can import the worker's packages, pushing the bundle first when it does
+    not; DeployFailed naming the host and what it printed."""
     started = time.monotonic()
     python = host.spec.python
     proved, check = _proof(host, bundle.sha256, python, version, timeout)
@@ -102,6 +104,7 @@ def _retry_transient(task, task_run, state) -> bool:
 @task(name="deploy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_transient,
       task_run_name="deploy-{host_name}")
 def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str) -> Deployed:
+    """Task: `deploy_host` over a connection of its own; a transient failure is retried."""
     with connect(inventory.host(host_name), inventory) as host:
         deployed = deploy_host(host, bundle, version)
     get_run_logger().info("host %s: bundle %s %s, %s, %s (%.1fs)", host_name, bundle.sha256[:12],

@@ -33,11 +33,13 @@ def wrap(command: str) -> str:
 
 
 def tail(text: str, limit: int = 2000) -> str:
+    """The last `limit` characters of `text` (marked with ... when cut)."""
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
 @dataclass(frozen=True)
 class Result:
+    """A command that ran to its end on a host: its exit status and everything it printed."""
     host: str
     command: str
     returncode: int
@@ -46,9 +48,11 @@ class Result:
 
     @property
     def ok(self) -> bool:
+        """Exit status 0."""
         return self.returncode == 0
 
     def describe(self) -> str:
+        """For an error message: host, command, exit status, and the tails of stdout and stderr."""
         said = "\n".join(f"{label}: {tail(text).strip()}" for label, text in
                          (("stdout", self.stdout), ("stderr", self.stderr)) if text.strip()) or "it printed nothing"
         return f"host {self.host}: `{tail(self.command, 600)}` exited {self.returncode}; {said}"
@@ -64,6 +68,7 @@ class HostError(Exception):
 
 
 class Host(ABC):
+    """A machine that runs shell commands and takes files: the SSH and local twins share these semantics."""
     def __init__(self, spec: HostSpec):
         self.spec = spec
         self.name = spec.name
@@ -77,6 +82,7 @@ class Host(ABC):
         """Write `data` to `path` on the host atomically (temp name, then rename)."""
 
     def close(self) -> None:
+        """Drop the connection, if any (the next call opens a new one)."""
         pass
 
     def __enter__(self) -> "Host":
@@ -111,6 +117,7 @@ class LocalHost(Host):
 
 @dataclass(frozen=True)
 class SshTimeouts:
+    """The deadlines of an SSH connection, on top of each command's own."""
     connect_s: float = 10.0   # TCP connect + banner + auth
     channel_s: float = 10.0   # opening a session channel
     grace_s: float = 5.0      # beyond a command's deadline before the link is declared dead
@@ -141,7 +148,7 @@ class SshHost(Host):
         conn = Connection(self.spec.hostname, user=self.spec.user, port=self.spec.port,
                           connect_timeout=t.connect_s, connect_kwargs=kwargs)
         client = conn.client
-        client.get_host_keys().clear()  # fabric loads ~/.ssh/known_hosts and accepts any key: undo both
+        client.get_host_keys().clear()  # fabric 3 loads no known_hosts and accepts any key (AutoAddPolicy): only ours
         known = self.inventory.known_hosts_path(self.spec)
         if known.is_file():
             client.get_host_keys().load(str(known))
@@ -236,4 +243,5 @@ class SshHost(Host):
 
 
 def connect(spec: HostSpec, inventory: Inventory) -> Host:
+    """The host of `spec`: this machine for `hostname: local`, else over SSH (not connected until used)."""
     return LocalHost(spec) if spec.is_local else SshHost(spec, inventory)

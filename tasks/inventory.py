@@ -31,6 +31,7 @@ class InventoryError(ValueError):
 
 
 class HostSpec(BaseModel):
+    """One host of the inventory (the contract's fields); unknown keys and bad values are refused."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
@@ -60,10 +61,12 @@ class HostSpec(BaseModel):
 
     @property
     def is_local(self) -> bool:
+        """`hostname: local`: this machine, reached without SSH."""
         return self.hostname == LOCAL_HOSTNAME
 
 
 class Inventory(BaseModel):
+    """The hosts a run may use, and how their SSH host keys are checked."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     hosts: list[HostSpec] = Field(min_length=1)
@@ -79,12 +82,15 @@ class Inventory(BaseModel):
         return self
 
     def host(self, name: str) -> HostSpec:
+        """The host named `name`."""
         return next(h for h in self.hosts if h.name == name)
 
     def accepts_unknown_keys(self, host: HostSpec) -> bool:
+        """Whether `host` may be connected to with a key known_hosts lacks (an explicit opt-in)."""
         return self.accept_unknown_host_keys if host.accept_unknown_host_keys is None else host.accept_unknown_host_keys
 
     def known_hosts_path(self, host: HostSpec) -> Path:
+        """The known_hosts file `host`'s key is checked against."""
         return Path(host.known_hosts or self.known_hosts).expanduser()
 
     @property
@@ -122,6 +128,7 @@ def _describe(error: dict, raw: dict) -> str:
 
 
 def load_inventory(path_or_text: str | Path) -> Inventory:
+    """The inventory of a YAML file; InventoryError naming the file and every bad field."""
     path = Path(path_or_text).expanduser()
     if path.is_file():
         return parse_inventory(path.read_text(), str(path))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsextract.options import WorkerOptions
@@ -55,6 +55,7 @@ class Plan:
 
     @property
     def slots(self) -> list[tuple[str, int]]:
+        """(host, GPU) pairs of the inventory: one shard runs on each at a time."""
         return self.inventory.slots
 
     def reachable(self) -> bool:
@@ -96,27 +97,23 @@ def resolve_inventory(hosts: str) -> Inventory:
 
 
 def worker_options(p: dict, access: S3Access) -> WorkerOptions:
-    """The workers' options from the flow's parameters (the flow's defaults are WorkerOptions' own)."""
-    upload = p["output"].startswith("s3://")
-    return WorkerOptions(
-        model=Path(p["model"]), data=Path(p["data"]), out=p["output"] if upload else p["output"].removeprefix("file://"),
-        layers=p["layers"], max_length=p["max_length"], token_budget=p["token_budget"], device=p["device"],
-        dtype=p["dtype"], out_dtype=p["out_dtype"], progress="log", confine=p["confine"],
-        heartbeat_interval=p["heartbeat_interval_s"], s3_endpoint=access.endpoint_url if upload else None,
+    """The workers' options from the flow's parameters `p` (the flow's defaults are WorkerOptions' own), and
+    what `p` asks that the workers cannot do (ValueError naming the parameter)."""
+    options = WorkerOptions(
+        model=Path(p["model"]), data=Path(p["data"]), out=p["output"], layers=p["layers"], max_length=p["max_length"],
+        token_budget=p["token_budget"], device=p["device"], dtype=p["dtype"], out_dtype=p["out_dtype"],
+        progress="log", confine=p["confine"], heartbeat_interval=p["heartbeat_interval_s"],
         spool_high_gb=p["spool_high_gb"], spool_low_gb=p["spool_low_gb"], upload_from=p["upload_from"],
         upload_memory_gb=p["upload_memory_gb"])
-
-
-def check_parameters(p: dict) -> None:
-    """What the parameters' types cannot say; ValueError naming the parameter."""
-    if not p["output"].startswith(("file:///", "/", "s3://")):
-        raise ValueError(f"output={p['output']!r}: use file:///absolute/path or s3://bucket/prefix")
     if p["spool_low_gb"] > p["spool_high_gb"]:
         raise ValueError(f"spool_low_gb={p['spool_low_gb']:g} is over spool_high_gb={p['spool_high_gb']:g}: "
                          f"extraction pauses above the high-water mark and resumes below the low one")
-    if p["upload_from"] == "memory" and not p["output"].startswith("s3://"):
-        raise ValueError(f"upload_from='memory' needs an s3:// output, not output={p['output']!r}: files go from "
-                         f"memory straight to the store, so there is nothing to upload to on a local path")
+    if options.upload is None:
+        if p["upload_from"] == "memory":
+            raise ValueError(f"upload_from='memory' needs an s3:// output, not output={p['output']!r}: files go "
+                             f"from memory straight to the store, so there is nothing to upload to on a local path")
+        return replace(options, out=str(options.out_dir))  # the directory itself: hosts see the plain path
+    return replace(options, s3_endpoint=access.endpoint_url)
 
 
 def plan_run(p: dict, log) -> Plan:
@@ -127,8 +124,8 @@ def plan_run(p: dict, log) -> Plan:
                             f"{p['max_reruns']}: not run. Look at the failures of the earlier runs, then start it "
                             f"again by hand")
     inventory = resolve_inventory(p["hosts"])
-    check_parameters(p)
     access = load_access(p["aws_credentials"])  # fails here, before any launch, on a missing or bad block
+    options = worker_options(p, access)
     num_shards = p["num_shards"] = p["num_shards"] or len(inventory.slots)
     requested = sorted(set(p["shards"])) if p["shards"] is not None else list(range(num_shards))
     if bad := [s for s in requested if not 0 <= s < num_shards]:
@@ -139,8 +136,9 @@ def plan_run(p: dict, log) -> Plan:
     if p["reset_attempts"]:
         attempts.reset(requested)
     capped = {s for s in requested if s not in already and attempts.get(s).failed_attempts >= p["max_attempts"]}
-    plan = Plan(run, p["output"], p["data"], num_shards, requested, already, capped,
-                deque(s for s in requested if s not in already and s not in capped), inventory, store, attempts, worker_options(p, access), deadlines(p), access, p["aws_credentials"], build_bundle(ROOT))
+    todo = deque(s for s in requested if s not in already and s not in capped)
+    plan = Plan(run, p["output"], p["data"], num_shards, requested, already, capped, todo, inventory, store, attempts,
+                options, deadlines(p), access, p["aws_credentials"], build_bundle(ROOT))
     for s in sorted(capped):
         seen = attempts.get(s)
         plan.failures[f"shard {s}"] = (
@@ -153,11 +151,13 @@ def plan_run(p: dict, log) -> Plan:
 
 
 def reachable(store: Store, inventory: Inventory) -> bool:
+    """See `Plan.reachable`."""
     root = store.local_path("")
     return root is None or root.is_dir() or all(h.is_local for h in inventory.hosts)
 
 
 def deadlines(p: dict) -> Deadlines:
+    """The deadlines of launch and supervise from the flow's parameters."""
     return Deadlines(launch_timeout_s=p["launch_timeout_s"], poll_interval_s=p["poll_interval_s"],
                      stall_timeout_s=p["stall_timeout_s"], host_timeout_s=p["host_timeout_s"],
                      command_timeout_s=min(Deadlines.command_timeout_s, p["host_timeout_s"]),  # a probe waits no longer

@@ -33,18 +33,21 @@ SUCCESS_NAME = "_SUCCESS"
 
 @dataclass
 class ShardReport:
+    """One shard's samples: expected by the dataset, done, missing, skipped by reason."""
     expected: int = 0
     done: int = 0
     missing: int = 0
     skipped: Counter = field(default_factory=Counter)
 
     def row(self) -> dict:
+        """The shard's row of the reconcile table."""
         return {"expected": self.expected, "done": self.done, "missing": self.missing,
                 "skipped": sum(self.skipped.values())}
 
 
 @dataclass
 class Report:
+    """What reconcile found: every dataset sample accounted for, and whether this call sealed the run."""
     num_shards: int
     expected: int = 0
     done: int = 0
@@ -61,17 +64,21 @@ class Report:
 
     @property
     def missing(self) -> int:
+        """Samples neither stored nor skipped."""
         return sum(len(v) for v in self.missing_ids.values())
 
     @property
     def complete(self) -> bool:
+        """Nothing missing (the run can be sealed)."""
         return self.missing == 0
 
     @property
     def shards_to_rerun(self) -> list[int]:
+        """Shards with missing samples."""
         return sorted(s for s, ids in self.missing_ids.items() if ids)
 
     def summary(self) -> dict:
+        """The report as JSON-able numbers (the task's result, and the _SUCCESS marker's body)."""
         return {"num_shards": self.num_shards, "expected": self.expected, "done": self.done,
                 "missing": self.missing, "duplicated": self.duplicated, "skipped": dict(self.skipped),
                 "missing_objects": len(self.missing_objects), "corrupt_objects": len(self.corrupt_objects),
@@ -80,6 +87,7 @@ class Report:
                 "seconds": round(self.seconds, 3)}
 
     def markdown(self) -> str:
+        """The summary artifact: counts, skip reasons, missing and corrupt objects, shards to re-run."""
         lines = [f"**{'complete' if self.complete else 'INCOMPLETE'}**: {self.done:,} of {self.expected:,} "
                  f"samples stored, {sum(self.skipped.values()):,} skipped, {self.missing:,} missing, "
                  f"{self.duplicated:,} duplicated (one copy indexed)."]
@@ -96,6 +104,7 @@ class Report:
         return "\n\n".join(lines)
 
     def table(self) -> list[dict]:
+        """The per-shard table artifact's rows."""
         return [{"shard": s, **r.row()} for s, r in sorted(self.shards.items())]
 
 

@@ -58,14 +58,17 @@ class ShardJob:
 
     @property
     def shard(self) -> int:
+        """The shard's index (its worker's --shard)."""
         return self.options.shard
 
     @property
     def num_shards(self) -> int:
+        """The run's shard count (its worker's --num-shards)."""
         return self.options.num_shards
 
     @property
     def label(self) -> str:
+        """`shard I/N on HOST (GPU G)`: how messages name the shard."""
         return f"shard {self.shard}/{self.num_shards} on {self.host} (GPU {self.gpu})"
 
     @property
@@ -182,7 +185,8 @@ def _exit_code(state: Probe) -> int | None:
     return None if state.exit is None else int(state.exit.get("code", -1))
 
 
-def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: Deadlines, log=None, on_probe=None) -> dict:
+def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: Deadlines, log=None,
+                    on_probe=None) -> dict:
     """Poll until the shard is done (returns its summary) or not (raises ShardFailed).
 
     `on_probe(heartbeat, heartbeat_age)`, when given, sees every successful probe (the UI's view)."""

@@ -26,6 +26,7 @@ FORMAT_VERSION = "1"
 
 @dataclass(frozen=True)
 class WrittenFile:
+    """A batch file made durable and put in place: its name, size and sha256."""
     name: str
     bytes: int
     sha256: str
@@ -52,6 +53,7 @@ class Payload:
     tensors: list = field(repr=False)
 
     def hash(self) -> str:
+        """Compute (and keep) the sha256 of the parts, in order."""
         digest = hashlib.sha256()
         for part in self.parts:
             digest.update(part)
@@ -59,6 +61,7 @@ class Payload:
         return self.sha256
 
     def tobytes(self) -> bytes:
+        """The whole file as one bytes object (for an upload from memory)."""
         return b"".join(self.parts)  # one copy, made with the GIL released
 
 
@@ -120,6 +123,7 @@ class Unsealed:
         return WrittenFile(self.path.name, self.size, self.sha256)
 
     def abandon(self) -> None:
+        """Close and remove the temp file (a write that will not be sealed)."""
         os.close(self.fd)
         self.tmp.unlink(missing_ok=True)
 
@@ -168,6 +172,7 @@ class BatchFile:
         return len(self.sample_ids)
 
     def sample(self, index: int) -> dict:
+        """Sample `index` as the reader contract's record: id, input_ids, loss_mask, hidden_states (bf16 after fp8)."""
         begin, end = self.cu_seqlens[index], self.cu_seqlens[index + 1]
         out = {"id": self.sample_ids[index]}
         names = ["input_ids", "loss_mask", "hidden_states"] + (["last_hidden_state"] if self.has_last else [])
@@ -197,6 +202,7 @@ class LoadedBatch:
         return len(self.sample_ids)
 
     def sample(self, index: int) -> dict:
+        """Sample `index`, as `BatchFile.sample`."""
         begin, end = self.cu_seqlens[index], self.cu_seqlens[index + 1]
         out = {"id": self.sample_ids[index]}
         for name in ("input_ids", "loss_mask", "hidden_states", "last_hidden_state"):

@@ -9,6 +9,7 @@ S = TypeVar("S", bound=Sized)
 
 
 def padded_tokens(batch: list[Sized]) -> int:
+    """Tokens a right-padded batch occupies: its longest sample times its size."""
     return max(len(s) for s in batch) * len(batch)
 
 

@@ -28,6 +28,7 @@ class ModelInfo:
 
 
 def read_model_info(model_dir: Path) -> ModelInfo:
+    """The model's config.json, read without loading weights; UsageError naming what is missing or wrong."""
     config_path = model_dir / "config.json"
     if not model_dir.is_dir():
         raise UsageError(f"--model {str(model_dir)!r}: no such directory")
@@ -93,6 +94,7 @@ class LayerCapture:
 
     @property
     def width(self) -> int:
+        """Values per token in the output buffer: captured layers x hidden size."""
         return len(self.layer_ids) * self.hidden_size
 
     def _hook(self, slot: int):
@@ -136,6 +138,7 @@ def _truncate_layers(text_config, keep: int) -> None:
 
 
 def resolve_device(device: str | None) -> str:
+    """`auto`: cuda when a GPU is visible, else cpu; otherwise the device named."""
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -144,6 +147,7 @@ def resolve_device(device: str | None) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA, float32 on CPU; otherwise the dtype named."""
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]

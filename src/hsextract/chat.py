@@ -21,6 +21,7 @@ from .records import Record
 
 @dataclass(frozen=True)
 class Tokenized:
+    """A sample ready for the model: its token ids and loss mask (1 = an assistant token to learn)."""
     id: str
     input_ids: list[int]
     loss_mask: list[int]
@@ -31,6 +32,7 @@ class Tokenized:
 
 @dataclass(frozen=True)
 class Rejected:
+    """A sample that cannot train a drafter: skipped with `reason` (journaled, never silent)."""
     id: str
     reason: str
     detail: str = ""
@@ -53,6 +55,7 @@ class ChatEncoder:
         )
 
     def encode(self, record: Record) -> Tokenized | Rejected:
+        """The record's tokens and loss mask (chat template, or pre-tokenized as given), or why it is skipped."""
         if record.input_ids is not None:
             ids, mask = record.input_ids, record.loss_mask
             if any(not 0 <= t < self.vocab_size for t in ids):
@@ -130,6 +133,7 @@ class ChatEncoder:
 
 
 def longest_run(mask: list[int]) -> int:
+    """Length of the longest run of consecutive 1s in a loss mask."""
     best = run = 0
     for m in mask:
         run = run + 1 if m else 0

@@ -14,6 +14,7 @@ from .options import WorkerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand: extract (from WorkerOptions), inspect, make-tiny."""
     parser = argparse.ArgumentParser(prog="hsextract", description="Extract hidden states for drafter training.")
     parser.add_argument("--version", action="version", version=f"hsextract {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -55,9 +55,11 @@ class Confinement:
 
     @property
     def active(self) -> bool:
+        """Whether writes are confined (Landlock took the ruleset)."""
         return self.abi > 0
 
     def describe(self) -> str:
+        """The log line: what is writable, or why nothing is confined."""
         if not self.active:
             return f"writes NOT confined: {self.reason}"
         return f"writes confined to {', '.join(self.writable)} (Landlock ABI {self.abi})"

@@ -68,6 +68,7 @@ class ShardRun:
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
+        """Check the options, the model's config and the layers asked for, and make the shard's dirs: the layer ids."""
         self.opts.check_inputs()
         info = read_model_info(self.opts.model)
         layer_ids = parse_layer_spec(self.opts.layers, info.num_layers)
@@ -75,6 +76,7 @@ class ShardRun:
         return layer_ids
 
     def lock(self) -> None:
+        """Take the shard dir's lock (a second writer of the shard is refused, naming the holder's pid)."""
         self._lock_fd = os.open(self.opts.shard_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o640)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -97,6 +99,7 @@ class ShardRun:
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, layer_ids: list[int]) -> dict:
+        """Resume, extract every pending sample of the shard, drain the uploads: the summary (journaled `done`)."""
         opts = self.opts
         self.lock()
         if opts.upload:
@@ -139,6 +142,7 @@ class ShardRun:
         return self.finish()
 
     def start_uploader(self) -> None:
+        """With an s3:// output: take the store's journals into the spool, and start the uploader."""
         from .upload import BackgroundUploader, Spool, fetch_journals
 
         opts = self.opts
@@ -196,6 +200,7 @@ class ShardRun:
         return pending
 
     def encoded(self, encoder: ChatEncoder, pending: list[Record | Bad]) -> Iterator[Tokenized]:
+        """Tokenize the pending records; the ones that cannot train are journaled as skipped on the way."""
         for item in pending:
             result = Rejected(item.id, item.reason, item.detail) if isinstance(item, Bad) else encoder.encode(item)
             if isinstance(result, Rejected):
@@ -259,6 +264,7 @@ class ShardRun:
         return [s for s, b in zip(batch, bad) if not b], {k: v[keep_T] for k, v in states.items()}
 
     def skip(self, sample_id: str, reason: str, detail: str, line: int | None = None, counts_as_done=False) -> None:
+        """Journal `sample_id` as skipped with `reason` and count it."""
         self.journal.append({"kind": "skip", "id": sample_id, "reason": reason, "detail": detail, "line": line})
         with self.counting:  # skips come from the main thread (oom, tokenizing) and the prepare thread (NaN)
             self.skips[reason] += 1
@@ -304,6 +310,7 @@ class ShardRun:
 
     @staticmethod
     def file_entry(prep: "Prepared", size: int, sha256: str) -> dict:
+        """The journal entry of a written (or stored) file."""
         return {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
                 "lengths": prep.lengths, "bytes": size, "sha256": sha256}
 
@@ -320,6 +327,7 @@ class ShardRun:
             p.last_batch = entry["file"]
 
     def finish(self) -> dict:
+        """Drain the uploads, prove every assigned sample is written or skipped, journal `done`: the summary."""
         if self.uploader:
             self.progress.phase = "uploading"
             started = time.monotonic()
@@ -338,6 +346,7 @@ class ShardRun:
         return summary
 
     def summary(self) -> dict:
+        """What the shard did: samples, skips by reason, tokens, files, bytes, speeds, the pipeline's timings."""
         p = self.progress
         seconds = time.time() - self.started
         ended = self.extract_ended or time.time()
@@ -400,6 +409,7 @@ class BatchWriter:
             thread.start()
 
     def put(self, batch: list[Tokenized], states: dict) -> None:
+        """Hand a batch's device states to the pipeline (waits while every stage is full: backpressure)."""
         if self.error:
             raise self.error
         if batch:
@@ -417,6 +427,7 @@ class BatchWriter:
         self._spend("hash_s", started)
 
     def timings(self) -> dict:
+        """Seconds spent per stage, and to the first sealed file."""
         out = {k: round(v, 3) for k, v in sorted(self.spent.items())}
         if self.first_sealed is not None:
             out["first_file_s"] = round(self.first_sealed - self.started, 3)
@@ -481,6 +492,7 @@ class BatchWriter:
                 self._fail(exc)
 
     def close(self) -> None:
+        """Finish every file in flight, stop the threads, raise the first error any stage had."""
         self.queue.put(None)
         for thread in self.threads:
             thread.join()
@@ -510,6 +522,7 @@ def default_hash_workers() -> int:
 
 
 def load_tokenizer(model_dir: Path):
+    """The model directory's own tokenizer (never the hub); UsageError when it cannot be loaded."""
     from transformers import AutoTokenizer
 
     try:

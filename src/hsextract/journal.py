@@ -131,6 +131,7 @@ class Journal:
                 os.fsync(self._fd)
 
     def close(self) -> None:
+        """fsync and close the journal."""
         if self._fd >= 0:
             os.fsync(self._fd)
             os.close(self._fd)
@@ -154,6 +155,7 @@ class OutputState:
         return sample_id in self.written or sample_id in self.skipped
 
     def done(self, shard: int, num_shards: int) -> bool:
+        """Whether shard `shard` of `num_shards` is complete (its journal ends with `done`)."""
         return shard_dir_name(shard, num_shards) in self.done_shards
 
 

@@ -63,12 +63,14 @@ class Progress:
     extract_started_at: float | None = None
 
     def tokens_per_s(self) -> float:
+        """Tokens written per second since extraction started."""
         if self.extract_started_at is None:
             return 0.0
         elapsed = time.time() - self.extract_started_at
         return self.tokens_done / elapsed if elapsed > 0 else 0.0
 
     def snapshot(self) -> dict:
+        """The heartbeat's JSON body: every counter, the time, the pid, the rate."""
         data = asdict(self)
         data.update(time=round(time.time(), 3), pid=os.getpid(), tokens_per_s=round(self.tokens_per_s(), 1))
         return data
@@ -86,12 +88,14 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="hsextract-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
+        """Remove an earlier exit status, write the first heartbeat, start beating."""
         self.exit_path.unlink(missing_ok=True)  # a previous run's status must not be read as ours
         self.beat()
         self._thread.start()
         return self
 
     def beat(self) -> None:
+        """Write heartbeat.json now (a failed write is printed, never raised: extraction goes on)."""
         try:
             write_json_atomic(self.path, self.progress.snapshot())
         except OSError as exc:  # a full disk must not kill extraction; the stale heartbeat will say it

@@ -102,6 +102,7 @@ class WorkerOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "WorkerOptions":
+        """The options argparse parsed (`add_arguments`'s flags)."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     def argv(self) -> list[str]:
@@ -134,6 +135,7 @@ class WorkerOptions:
 
     @property
     def shard_dir(self) -> Path:
+        """This shard's directory under `out_dir`: its batch files and journal."""
         return self.out_dir / shard_dir_name(self.shard, self.num_shards)
 
     @property
@@ -143,22 +145,27 @@ class WorkerOptions:
 
     @property
     def retry_reasons(self) -> frozenset[str]:
+        """The skip reasons --retry-skipped names."""
         return frozenset(r for r in self.retry_skipped.split(",") if r)
 
     @property
     def spool_high_bytes(self) -> int:
+        """--spool-high-gb in bytes."""
         return int(self.spool_high_gb * 2**30)
 
     @property
     def spool_low_bytes(self) -> int:
+        """--spool-low-gb in bytes."""
         return int(self.spool_low_gb * 2**30)
 
     @property
     def upload_memory_bytes(self) -> int:
+        """--upload-memory-gb in bytes."""
         return int(self.upload_memory_gb * 2**30)
 
     @property
     def upload_part_bytes(self) -> int:
+        """--upload-part-mb in bytes."""
         return self.upload_part_mb << 20
 
     # --- validation -------------------------------------------------------------------------------------------
@@ -173,7 +180,8 @@ class WorkerOptions:
         if self.num_shards < 1:
             raise UsageError(f"--num-shards {self.num_shards}: must be at least 1")
         if not 0 <= self.shard < self.num_shards:
-            raise UsageError(f"--shard {self.shard}: must be in 0..{self.num_shards - 1} for --num-shards {self.num_shards}")
+            raise UsageError(f"--shard {self.shard}: must be in 0..{self.num_shards - 1} for --num-shards "
+                             f"{self.num_shards}")
         for name, value in (("--token-budget", self.token_budget), ("--sort-window", self.sort_window)):
             if value < 1:
                 raise UsageError(f"{name} {value}: must be a positive integer")

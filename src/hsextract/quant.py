@@ -25,6 +25,7 @@ def quantize(states_TW: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.
 
 
 def dequantize(q_TW: torch.Tensor, scale_TL: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[T, L*H] fp8 states and [T, L] scales back to `dtype` (what the reader returns)."""
     tokens, layers = scale_TL.shape
     values_TLH = q_TW.float().view(tokens, layers, -1) * scale_TL.float()[..., None]
     return values_TLH.view(tokens, -1).to(dtype)

@@ -47,6 +47,7 @@ def content_id(obj: object) -> str:
 
 
 def malformed_id(line: int) -> str:
+    """The id a line that does not parse is skipped under (its line number)."""
     return f"line-{line}"
 
 
@@ -85,6 +86,7 @@ def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
 
 
 def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
+    """One JSONL line as a `Record`, or a `Bad` saying why it cannot be a sample."""
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

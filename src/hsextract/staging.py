@@ -17,6 +17,7 @@ import torch
 
 @dataclass
 class Staged:
+    """A batch's tensors being copied to pinned host memory; `wait` for them, `release` the buffers after."""
     tensors: dict[str, torch.Tensor]
     event: "torch.cuda.Event | None" = None
     _slot: dict | None = None
@@ -36,6 +37,7 @@ class Staged:
 
 
 class HostStaging:
+    """`depth` sets of pinned host buffers, reused batch after batch, and the side stream that fills them."""
     def __init__(self, device: torch.device, depth: int = 4):
         self.cuda = device.type == "cuda"
         self.depth = depth
@@ -47,6 +49,7 @@ class HostStaging:
                 self.free.put({})
 
     def stage(self, states: dict[str, torch.Tensor]) -> Staged:
+        """Queue the copy of `states` to a free set of buffers (waits for one: backpressure on the GPU)."""
         if not self.cuda:
             return Staged({k: v.cpu() for k, v in states.items()})
         slot = self.free.get()  # all sets in flight: the sink is behind, so the GPU waits here

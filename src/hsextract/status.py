@@ -9,6 +9,7 @@ from .liveness import Progress
 
 
 class ProgressReporter:
+    """Prints the shard's progress for people: a bar on a terminal, a log line every `interval_s` otherwise."""
     def __init__(self, progress: Progress, mode: str = "auto", interval_s: float = 30.0):
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "log"
@@ -19,12 +20,14 @@ class ProgressReporter:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "ProgressReporter":
+        """Start printing, from a thread of its own."""
         target = self._bar if self.mode == "bar" else self._log
         self._thread = threading.Thread(target=target, name="hsextract-progress", daemon=True)
         self._thread.start()
         return self
 
     def line(self) -> str:
+        """One line of progress: phase, samples, skips, tokens, rate, files, bytes."""
         p = self.progress
         return (f"shard {p.shard}/{p.num_shards} {p.phase}: {p.samples_done}/{p.samples_total} samples "
                 f"({p.samples_skipped} skipped), {p.tokens_done} tokens, {p.tokens_per_s():.0f} tok/s, "
@@ -48,6 +51,7 @@ class ProgressReporter:
             bar.update(task, completed=self.progress.samples_done)
 
     def close(self) -> None:
+        """Stop, printing a last line."""
         if self._thread is not None and not self._stop.is_set():
             self._stop.set()
             self._thread.join(timeout=2)

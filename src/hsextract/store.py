@@ -15,7 +15,9 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import random
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -146,6 +148,7 @@ class Store(ABC):
         """The object's bytes and a tag of this version (for `replace`)."""
 
     def read(self, key: str) -> bytes:
+        """The object's bytes; FileNotFoundError when it is absent."""
         return self.read_tagged(key)[0]
 
     @abstractmethod
@@ -176,20 +179,22 @@ class Store(ABC):
         """A URI naming `key`, for messages."""
         return f"{self.uri.rstrip('/')}/{key}"
 
-    def update(self, key: str, change: Callable[[bytes | None], bytes], attempts: int = 8) -> bytes:
+    def update(self, key: str, change: Callable[[bytes | None], bytes], attempts: int = 12) -> bytes:
         """Replace `key` with `change(current bytes, or None when absent)`; when another writer changed it in
-        between, read again and retry (up to `attempts`). Returns what was written."""
-        for _ in range(attempts):
+        between, wait a little (random, growing) and read again, up to `attempts` times. Returns what was
+        written; StoreError when every attempt lost the race."""
+        for attempt in range(attempts):
             try:
                 data, tag = self.read_tagged(key)
             except FileNotFoundError:
                 new = change(None)
                 if self.create(key, new):
                     return new
-                continue
-            new = change(data)
-            if self.replace(key, new, tag):
-                return new
+            else:
+                new = change(data)
+                if self.replace(key, new, tag):
+                    return new
+            time.sleep(random.uniform(0, 0.005 * 2 ** min(attempt, 6)))  # apart from the other writers
         raise StoreError(f"{self.where(key)}: changed under each of {attempts} attempts to update it")
 
     def append_lines(self, key: str, lines: bytes) -> None:
@@ -245,13 +250,10 @@ class LocalStore(Store):
                 found.append(StoredObject(key, size, digest))
         return sorted(found, key=lambda o: o.key)
 
-    @staticmethod
-    def _tag(stat: os.stat_result) -> str:
-        return f"{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
-
     def read_tagged(self, key: str) -> tuple[bytes, str]:
-        with open(self._path(key), "rb") as handle:
-            return handle.read(), self._tag(os.fstat(handle.fileno()))
+        """The tag is the content's sha256: inode, size and mtime can all repeat within one clock tick."""
+        data = self._path(key).read_bytes()
+        return data, hashlib.sha256(data).hexdigest()
 
     def write(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -281,7 +283,7 @@ class LocalStore(Store):
         path = self._path(key)
         with self._locked(path):
             try:
-                if self._tag(path.stat()) != tag:
+                if self.read_tagged(key)[1] != tag:
                     return False
             except FileNotFoundError:
                 return False

@@ -59,6 +59,7 @@ def build_tokenizer(out_dir: Path, generation_markers: bool = True, vocab_size: 
 
 
 def tiny_config(kind: str, vocab_size: int, num_layers: int = 8, hidden_size: int = 64):
+    """A tiny transformers config of model family `kind` (random weights are made from it)."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3_5Config, Qwen3_5TextConfig
 
     common = dict(
@@ -100,6 +101,7 @@ def build_model(out_dir: Path, kind: str = "qwen3_5_text", num_layers: int = 8, 
 
 
 def make_conversation(rng: random.Random, sample_id: str | None, turns: int, words_per_turn: int) -> dict:
+    """A random chat record: user and assistant turns of random words."""
     messages = []
     if rng.random() < 0.3:
         messages.append({"role": "system", "content": "you are " + " ".join(rng.choices(WORDS, k=3))})

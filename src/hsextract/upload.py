@@ -38,6 +38,7 @@ class UploadMismatch(Exception):
 
 @dataclass(frozen=True)
 class Uploaded:
+    """An object stored and verified: its key, size, sha256, parts, and the checksum S3 reported."""
     key: str
     bytes: int
     sha256: str
@@ -57,6 +58,8 @@ def local_digests(source: Path | bytes, part_size: int) -> tuple[str, list[bytes
 
 
 def expected_checksum(full_hex: str, parts: list[bytes], multipart: bool) -> str:
+    """The ChecksumSHA256 S3 reports for these bytes: the sha256 (base64), or for a multipart upload the sha256
+    of the parts' digests and '-N'."""
     if not multipart:
         return base64.b64encode(bytes.fromhex(full_hex)).decode()
     composite = hashlib.sha256(b"".join(parts)).digest()
@@ -73,6 +76,7 @@ def same_checksum(stored: str, want: str) -> bool:
 
 
 def transfer_config(part_size: int = 64 << 20, concurrency: int = 8):
+    """boto3's transfer settings: multipart from `part_size`, `concurrency` parts at once."""
     from boto3.s3.transfer import TransferConfig
 
     return TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
@@ -141,12 +145,14 @@ class Spool:
             self.progress.spool_bytes, self.progress.upload_paused = self.pending, self.paused
 
     def add(self, n: int) -> None:
+        """Count `n` more bytes waiting (files already on disk, found at start)."""
         with self._cond:
             self.pending += n
             self.max_pending = max(self.max_pending, self.pending)
             self._publish()
 
     def remove(self, n: int) -> None:
+        """`n` bytes left the spool (uploaded, verified, deleted): wake a writer waiting under the mark."""
         with self._cond:
             self.pending -= n
             self._publish()
@@ -246,6 +252,7 @@ class BackgroundUploader:
             self.spool.progress.upload_memory_bytes = self.in_memory
 
     def raise_if_failed(self) -> None:
+        """Raise UploadFailed (with the S3 error) once the uploader gave up."""
         if self.error is not None:
             raise UploadFailed(f"upload to {self.store.uri} failed: {self.error}") from self.error
 

@@ -52,3 +52,16 @@ def test_an_output_the_orchestrator_cannot_see_keeps_the_record_in_memory_and_sa
     visible[0] = True  # the output appeared (a worker made it): what waited goes out with the next change
     record.failed(0, "h", "again")
     assert AttemptRecord(store, "r", 1).get(0).failed_attempts == 2
+
+
+def test_changes_a_write_could_not_store_go_out_with_the_next_one(tmp_path):
+    store = LocalStore(tmp_path / "out")
+    blocker = tmp_path / "out" / "_runs" / "r"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the record's directory goes")
+    record = AttemptRecord(store, "r", 1)
+    record.failed(0, "h", "one")
+    assert "not written yet" in record.problem and record.get(0).failed_attempts == 1
+    blocker.unlink()
+    record.failed(0, "h", "two")
+    assert AttemptRecord(store, "r", 1).get(0).failed_attempts == 2

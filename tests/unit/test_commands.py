@@ -18,18 +18,18 @@ def nasty(tmp_path) -> str:
 
 def test_every_value_is_quoted_and_nothing_else_runs(tmp_path):
     name = nasty(tmp_path)
-    ctrl, workdir = str(tmp_path / name / "ctrl"), str(tmp_path / name)
-    cmd = launch_cmd(ctrl, str(ROOT), 3, ["/bin/true", "--model", name, "--out", name], name, wait_s=0.2)
+    control, workdir = str(tmp_path / name / "control"), str(tmp_path / name)
+    cmd = launch_cmd(control, str(ROOT), 3, ["/bin/true", "--model", name, "--out", name], name, wait_s=0.2)
     assert cmd.startswith(f"sh {ROOT}/tasks/launch.sh "), "the launch is the bundle's script"
     out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("LAUNCHED "), out
     assert "\n---HEARTBEAT\n" in out.stdout, "the probe follows in the same round trip"
-    for builder in (probe_cmd(ctrl, name), kill_cmd(ctrl), check_bundle_cmd(workdir, name, name)):
+    for builder in (probe_cmd(control, name), kill_cmd(control), check_bundle_cmd(workdir, name, name)):
         subprocess.run(["/bin/sh", "-c", builder], capture_output=True, cwd=tmp_path)
-    assert (tmp_path / name / "ctrl" / "pid").is_file(), "the literal odd path was used"
+    assert (tmp_path / name / "control" / "pid").is_file(), "the literal odd path was used"
     assert not (tmp_path / "pwned").exists(), "an interpolated value ran as a command"
     with pytest.raises(ValueError, match="not allowed"):
-        launch_cmd(ctrl, str(ROOT), 0, ["p"], "/j", env={"A;rm -rf /": "x"})
+        launch_cmd(control, str(ROOT), 0, ["p"], "/j", env={"A;rm -rf /": "x"})
 
 
 def test_probe_of_missing_control_dir_runs_and_parses(tmp_path):
@@ -39,16 +39,16 @@ def test_probe_of_missing_control_dir_runs_and_parses(tmp_path):
 
 
 def test_probe_parses_a_live_process(tmp_path):
-    ctrl = tmp_path / "ctrl dir"
-    ctrl.mkdir()
+    control = tmp_path / "control dir"
+    control.mkdir()
     proc = subprocess.Popen(["sleep", "30"])
     try:
         start = open(f"/proc/{proc.pid}/stat").read().rsplit(") ", 1)[1].split()[19]
-        (ctrl / "pid").write_text(f"{proc.pid}\n")
-        (ctrl / "pid.start").write_text(start + "\n")
-        (ctrl / "heartbeat.json").write_text('{"time": 1.5, "phase": "extracting"}')
-        (ctrl / "worker.log").write_text("STARTED shard=0/1 pid=1 version=x\nline two\n")
-        out = subprocess.run(["/bin/sh", "-c", probe_cmd(str(ctrl), str(tmp_path / "j"))], capture_output=True,
+        (control / "pid").write_text(f"{proc.pid}\n")
+        (control / "pid.start").write_text(start + "\n")
+        (control / "heartbeat.json").write_text('{"time": 1.5, "phase": "extracting"}')
+        (control / "worker.log").write_text("STARTED shard=0/1 pid=1 version=x\nline two\n")
+        out = subprocess.run(["/bin/sh", "-c", probe_cmd(str(control), str(tmp_path / "j"))], capture_output=True,
                              text=True).stdout
         probe = parse_probe(out)
         assert probe.alive and probe.pid == proc.pid and probe.state in ("S", "R")
@@ -56,14 +56,14 @@ def test_probe_parses_a_live_process(tmp_path):
         assert probe.started_line.startswith("STARTED shard=0/1") and "line two" in probe.log
         assert probe.exit is None and probe.journal_last is None
         # a reused pid (other start time) is not our process
-        (ctrl / "pid.start").write_text("1\n")
-        assert not parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(str(ctrl), "/j")], capture_output=True,
+        (control / "pid.start").write_text("1\n")
+        assert not parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(str(control), "/j")], capture_output=True,
                                               text=True).stdout).alive
         # kill_cmd refuses a pid whose start time does not match, then kills the right one
-        subprocess.run(["/bin/sh", "-c", kill_cmd(str(ctrl))], capture_output=True)
+        subprocess.run(["/bin/sh", "-c", kill_cmd(str(control))], capture_output=True)
         assert proc.poll() is None
-        (ctrl / "pid.start").write_text(start + "\n")
-        subprocess.run(["/bin/sh", "-c", kill_cmd(str(ctrl))], capture_output=True)
+        (control / "pid.start").write_text(start + "\n")
+        subprocess.run(["/bin/sh", "-c", kill_cmd(str(control))], capture_output=True)
         assert proc.wait(timeout=5) == -9
     finally:
         proc.kill()
@@ -79,11 +79,11 @@ def test_probe_sees_zombie_as_not_alive(tmp_path):
         import time
 
         time.sleep(0.2)  # child exits; we do not reap it yet: a zombie
-        ctrl = tmp_path
+        control = tmp_path
         start = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[19]
-        (ctrl / "pid").write_text(f"{pid}\n")
-        (ctrl / "pid.start").write_text(start)
-        probe = parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(str(ctrl), "/j")], capture_output=True,
+        (control / "pid").write_text(f"{pid}\n")
+        (control / "pid.start").write_text(start)
+        probe = parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(str(control), "/j")], capture_output=True,
                                            text=True).stdout)
         assert probe.state == "Z" and not probe.alive
     finally:

@@ -13,7 +13,6 @@ import pytest
 
 from hsextract.confine import confine, landlock_abi, writable_dirs
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def test_shared_places_are_writable_only_when_they_hold_no_other_shard(tmp_path):
@@ -42,10 +41,9 @@ def test_unknown_mode_is_refused():
 CHILD = r"""
 import json, os, subprocess, sys, threading
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
 from hsextract.confine import confine
-root = Path(sys.argv[2])
-mode = sys.argv[3]
+root = Path(sys.argv[1])
+mode = sys.argv[2]
 done = confine([root / "out/shard-0", root / "runs/shard-0"], [root / "out", root / "runs"], mode)
 result = {"active": done.active, "describe": done.describe(), "tmpdir": os.environ.get("TMPDIR")}
 def attempt(path):
@@ -69,7 +67,7 @@ print(json.dumps(result))
 def run_child(tmp_path: Path, mode: str) -> dict:
     for d in ("out/shard-0", "out/shard-1", "runs/shard-0", "runs/shard-1"):
         (tmp_path / d).mkdir(parents=True)
-    proc = subprocess.run([sys.executable, "-c", CHILD, SRC, str(tmp_path), mode], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), mode], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -30,8 +30,8 @@ if os.environ.get("BEHAVE") == "live":
 """
 
 
-def launch(ctrl: Path, *args: str, ticks: int = 20, gpu: int = 0, env: dict | None = None, timeout: float = 30):
-    return subprocess.run(["/bin/sh", str(SCRIPT), str(ctrl), str(ticks), str(gpu), *args], capture_output=True,
+def launch(control: Path, *args: str, ticks: int = 20, gpu: int = 0, env: dict | None = None, timeout: float = 30):
+    return subprocess.run(["/bin/sh", str(SCRIPT), str(control), str(ticks), str(gpu), *args], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
 
 
@@ -43,24 +43,24 @@ def recorder(tmp_path) -> str:
     return str(path)
 
 
-def seen(ctrl: Path) -> dict:
+def seen(control: Path) -> dict:
     for _ in range(100):
         try:
-            return json.loads((ctrl / "seen.json").read_text())
+            return json.loads((control / "seen.json").read_text())
         except (OSError, ValueError):
             time.sleep(0.05)
-    raise AssertionError(f"the worker never ran; log: {(ctrl / 'worker.log').read_text()}")
+    raise AssertionError(f"the worker never ran; log: {(control / 'worker.log').read_text()}")
 
 
 def test_starts_the_worker_detached_with_its_argv_byte_identical(tmp_path, recorder):
-    ctrl = tmp_path / "ctrl"
+    control = tmp_path / "control"
     odd = ["--model", "we ird;$(touch x)`y`'\"\n*", "--out", "ü ", ""]
-    out = launch(ctrl, "--", recorder, *odd, gpu=3, env={"PYTHONPATH": "/site/extra"})
+    out = launch(control, "--", recorder, *odd, gpu=3, env={"PYTHONPATH": "/site/extra"})
     assert out.returncode == 0 and out.stdout.startswith("LAUNCHED "), out
     _, pid, start = out.stdout.split()[:3]
-    got = seen(ctrl)
-    assert got["argv"] == odd and got["pid"] == int(pid) == int((ctrl / "pid").read_text())
-    assert (ctrl / "pid.start").read_text().strip() == start != ""
+    got = seen(control)
+    assert got["argv"] == odd and got["pid"] == int(pid) == int((control / "pid").read_text())
+    assert (control / "pid.start").read_text().strip() == start != ""
     assert got["env"]["CUDA_VISIBLE_DEVICES"] == "3" and got["env"]["PYTHONUNBUFFERED"] == "1"
     assert got["env"]["PYTHONPATH"] == f"{ROOT}/src:/site/extra", "the bundle's src first, the host's kept"
     assert got["sid"] == got["pid"], "its own session (setsid): the SSH session may end"
@@ -69,28 +69,28 @@ def test_starts_the_worker_detached_with_its_argv_byte_identical(tmp_path, recor
 
 
 def test_environment_is_exported_and_unset_names_removed(tmp_path, recorder):
-    ctrl = tmp_path / "ctrl"
+    control = tmp_path / "control"
     odd = f"x;touch {tmp_path / 'pwned'} $(touch {tmp_path / 'pwned'})"
-    out = launch(ctrl, f"AWS_DEFAULT_REGION={odd}", "-AWS_ACCESS_KEY_ID", "--", recorder,
+    out = launch(control, f"AWS_DEFAULT_REGION={odd}", "-AWS_ACCESS_KEY_ID", "--", recorder,
                  env={"AWS_ACCESS_KEY_ID": "inherited"})
     assert out.returncode == 0, out
-    env = seen(ctrl)["env"]
+    env = seen(control)["env"]
     assert env["AWS_DEFAULT_REGION"] == odd and "AWS_ACCESS_KEY_ID" not in env
     assert not (tmp_path / "pwned").exists()
 
 
 def test_waits_for_started_and_the_first_heartbeat_then_a_second_launch_adopts(tmp_path, recorder):
-    ctrl = tmp_path / "ctrl"
+    control = tmp_path / "control"
     began = time.monotonic()
-    first = launch(ctrl, "--", recorder, env={"BEHAVE": "live"}, ticks=100)
+    first = launch(control, "--", recorder, env={"BEHAVE": "live"}, ticks=100)
     try:
         assert first.stdout.startswith("LAUNCHED ") and time.monotonic() - began < 8, first
-        assert (ctrl / "heartbeat.json").is_file() and "STARTED" in (ctrl / "worker.log").read_text()
+        assert (control / "heartbeat.json").is_file() and "STARTED" in (control / "worker.log").read_text()
         pid = first.stdout.split()[1]
-        second = launch(ctrl, "--", recorder, env={"BEHAVE": "live"})
+        second = launch(control, "--", recorder, env={"BEHAVE": "live"})
         assert second.returncode == 0 and second.stdout.split()[:2] == ["ADOPT", pid], second
     finally:
-        subprocess.run(["kill", "-9", (ctrl / "pid").read_text().strip()])
+        subprocess.run(["kill", "-9", (control / "pid").read_text().strip()])
 
 
 def test_a_zombie_with_the_recorded_pid_is_not_adopted(tmp_path, recorder):
@@ -101,36 +101,36 @@ def test_a_zombie_with_the_recorded_pid_is_not_adopted(tmp_path, recorder):
         os._exit(0)
     try:
         time.sleep(0.2)
-        ctrl = tmp_path / "ctrl"
-        ctrl.mkdir()
+        control = tmp_path / "control"
+        control.mkdir()
         start = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[19]
-        (ctrl / "pid").write_text(f"{pid}\n")
-        (ctrl / "pid.start").write_text(start)
-        out = launch(ctrl, "--", recorder, ticks=2)
+        (control / "pid").write_text(f"{pid}\n")
+        (control / "pid.start").write_text(start)
+        out = launch(control, "--", recorder, ticks=2)
         assert out.stdout.startswith("LAUNCHED ") and f"ADOPT {pid}" not in out.stdout, out
     finally:
         os.waitpid(pid, 0)
 
 
 def test_a_held_lock_and_an_unwritable_log_are_said(tmp_path, recorder):
-    ctrl = tmp_path / "ctrl"
-    ctrl.mkdir()
-    with open(ctrl / ".launch.lock", "a") as held:
+    control = tmp_path / "control"
+    control.mkdir()
+    with open(control / ".launch.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
         (tmp_path / "bin").mkdir()  # a flock that gives up at once, so the test does not wait 30 s
         (tmp_path / "bin" / "flock").write_text("#!/bin/sh\nexec /usr/bin/flock -w 0.2 \"$3\"\n")
         (tmp_path / "bin" / "flock").chmod(0o755)
-        busy = launch(ctrl, "--", recorder, env=env)
+        busy = launch(control, "--", recorder, env=env)
     assert busy.returncode == 75 and busy.stdout.strip() == "LOCK BUSY", busy
-    (ctrl / "worker.log").mkdir()
-    unwritable = launch(ctrl, "--", recorder)
+    (control / "worker.log").mkdir()
+    unwritable = launch(control, "--", recorder)
     assert unwritable.returncode == 73 and unwritable.stdout.strip() == "LOG UNWRITABLE", unwritable
-    assert not (ctrl / "seen.json").exists(), "nothing was started"
+    assert not (control / "seen.json").exists(), "nothing was started"
 
 
 def test_a_worker_that_dies_at_once_ends_the_wait(tmp_path):
-    ctrl = tmp_path / "ctrl"
+    control = tmp_path / "control"
     began = time.monotonic()
-    out = launch(ctrl, "--", "/bin/false", ticks=100)
+    out = launch(control, "--", "/bin/false", ticks=100)
     assert out.stdout.startswith("LAUNCHED ") and time.monotonic() - began < 5, out

@@ -63,11 +63,11 @@ def injection(lab: Lab, case: Case, examples: int = 40) -> Outcome:
         root = case.base / f"ex{counts['examples']:04d}"
         workdir = f"{root}/w{v}"
         try:
-            ctrl = control_dir(workdir, run, "shard-00000-of-00001")
+            control = control_dir(workdir, run, "shard-00000-of-00001")
         except ValueError:
             assert not re.fullmatch(RUN_NAME_PATTERN, run), f"run name {run!r} refused but matches the pattern"
             counts["run_names_refused"] += 1
-            ctrl = control_dir(workdir, "fuzz", "shard-00000-of-00001")
+            control = control_dir(workdir, "fuzz", "shard-00000-of-00001")
         python = Path(f"{workdir}/bin{v}/python")
         python.parent.mkdir(parents=True, exist_ok=True)
         python.write_text(RECORDER.format(python=sys.executable))
@@ -77,16 +77,16 @@ def injection(lab: Lab, case: Case, examples: int = 40) -> Outcome:
         bundle = Path(bundle_dir(workdir, sha))  # where deploy unpacks the bundle, with the launch script in it
         (bundle / "tasks").mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "tasks" / "launch.sh", bundle / "tasks" / "launch.sh")
-        argv = [str(python), "-m", "hsextract", "extract", *args, "--status-dir", ctrl]
-        commands = [launch_cmd(ctrl, str(bundle), 0, argv, f"{ctrl}/j{v}", wait_s=1.0,
+        argv = [str(python), "-m", "hsextract", "extract", *args, "--status-dir", control]
+        commands = [launch_cmd(control, str(bundle), 0, argv, f"{control}/j{v}", wait_s=1.0,
                                env={"AWS_DEFAULT_REGION": v}, unset=("AWS_PROFILE",)),
-                    probe_cmd(ctrl, f"{ctrl}/j{v}"), kill_cmd(ctrl), check_bundle_cmd(workdir, sha, str(python)),
+                    probe_cmd(control, f"{control}/j{v}"), kill_cmd(control), check_bundle_cmd(workdir, sha, str(python)),
                     env_check_cmd(str(python), workdir, sha), unpack_bundle_cmd(workdir, sha, v)]
         for command in commands:
             host.run(command, 30)
             counts["commands"] += 1
-        recorded = json.loads((Path(ctrl) / "argv.json").read_text())
-        expected = ["-m", "hsextract", "extract", *args, "--status-dir", ctrl]
+        recorded = json.loads((Path(control) / "argv.json").read_text())
+        expected = ["-m", "hsextract", "extract", *args, "--status-dir", control]
         assert recorded == {"argv": expected, "region": v}, f"the worker got {recorded}, not {expected}"
         counts["argv_checked"] += 1
         host.put(b"fuzz", f"{workdir}/put{v}.bin", 30)
@@ -215,14 +215,14 @@ def shard_confined(lab: Lab, case: Case) -> Outcome:
     python = wrapper(case, f'shift 2; exec {sys.executable} {evil} "$@"')
     hosts = case.inventory(("lo",), gpus=(0, 1), lo={"python": python})
     state, seconds, why = case.flow(output=case.local_out(), hosts=hosts)
-    record = case.ctrl("lo", 0, 2) / "evil.json"
+    record = case.control_dir("lo", 0, 2) / "evil.json"
     tried = json.loads(record.read_text()) if record.exists() else {}
     refused = [w for w, r in tried.items() if r.startswith("refused")]
     written = [w for w, r in tried.items() if r == "WRITTEN"]
     seen = observed(state, why)
     if written or not tried:
         seen = f"Failed: shard 0 wrote {written}" if written else "Failed: shard 0 never tried (no evil.json)"
-    log = (case.ctrl("lo", 0, 2) / "worker.log").read_text(errors="replace")
+    log = (case.control_dir("lo", 0, 2) / "worker.log").read_text(errors="replace")
     how = re.search(r"writes (NOT confined: .*|confined to .*\((Landlock ABI \d+)\))", log)
     errors = ", ".join(sorted({r.split(": ", 1)[-1] for r in tried.values()}))
     return case.finish(seen, None, {"hosts": case.inventory(("lo",), gpus=(0, 1), tag="fixed")}, case.local_out(),

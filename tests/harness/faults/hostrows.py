@@ -48,10 +48,10 @@ def log_dir_unwritable(case: Case) -> None:
     # root ignores permission bits: the log path is a directory, so the launch's `> worker.log` fails
     from hsextract.store import make_dirs
 
-    make_dirs(case.ctrl("h1") / "worker.log")  # with the product's modes: the file_modes row checks this tree
+    make_dirs(case.control_dir("h1") / "worker.log")  # with the product's modes: the file_modes row checks this tree
 
 
-log_dir_unwritable.undo = lambda case: shutil.rmtree(case.ctrl("h1") / "worker.log")
+log_dir_unwritable.undo = lambda case: shutil.rmtree(case.control_dir("h1") / "worker.log")
 
 
 def clean_run(lab: Lab, case: Case) -> Outcome:

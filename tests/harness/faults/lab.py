@@ -156,23 +156,23 @@ class Case:
         box["thread"].start()
         return box
 
-    def ctrl(self, host: str, shard: int = 0, num_shards: int = 1) -> Path:
+    def control_dir(self, host: str, shard: int = 0, num_shards: int = 1) -> Path:
         return self.workdir(host) / "runs" / self.run_name / f"shard-{shard:05d}-of-{num_shards:05d}"
 
     def wait_extracting(self, host: str, shard: int = 0, num_shards: int = 1, timeout: float = 60,
                         files: int = 1) -> int:
         """The worker's pid once its heartbeat says it is extracting (and has journaled `files` files)."""
-        ctrl, deadline = self.ctrl(host, shard, num_shards), time.monotonic() + timeout
+        control, deadline = self.control_dir(host, shard, num_shards), time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                beat = json.loads((ctrl / "heartbeat.json").read_text())
+                beat = json.loads((control / "heartbeat.json").read_text())
                 if beat.get("phase") == "extracting" and beat.get("files", 0) >= files:
-                    return int((ctrl / "pid").read_text())
+                    return int((control / "pid").read_text())
             except (OSError, ValueError):
                 pass
             time.sleep(0.05)
         raise AssertionError(f"{self.row.name}: the worker on {host} never reached extracting in {timeout}s; "
-                             f"{ctrl}: {sorted(p.name for p in ctrl.glob('*')) if ctrl.exists() else 'no dir'}")
+                             f"{control}: {sorted(p.name for p in control.glob('*')) if control.exists() else 'no dir'}")
 
     def task_runs(self, state) -> list:
         from prefect.client.orchestration import get_client

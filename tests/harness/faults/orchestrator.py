@@ -122,7 +122,7 @@ class HeldRun:
         live = {}
         for shard in (0, 1):
             with contextlib.suppress(OSError, ValueError):
-                pid = int((self.case.ctrl("lo", shard, 2) / "pid").read_text())
+                pid = int((self.case.control_dir("lo", shard, 2) / "pid").read_text())
                 os.kill(pid, 0)
                 live[shard] = pid
         return live

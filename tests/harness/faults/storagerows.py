@@ -96,7 +96,7 @@ def revoke_after(puts: int):
 
 def corrupt_spooled(case: Case, store: Store) -> float:
     """Flip bytes of a batch file waiting in the spool (the link is slow), before its upload."""
-    spool = case.ctrl("lo") / "spool" / "shard-00000-of-00001"
+    spool = case.control_dir("lo") / "spool" / "shard-00000-of-00001"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         waiting = sorted(spool.glob("batch-*.safetensors"))
