@@ -19,6 +19,8 @@ import base64
 import hashlib
 import io
 import queue
+import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -345,3 +347,18 @@ def fetch_journals(store: Store, spool: Path) -> int:
             local.append_lines(key, b"".join(line(e) for e in extra))
         fetched += 1
     return fetched
+
+
+def spool_marks(spool: Path, high: int, low: int, label: str) -> tuple[int, int]:
+    """The spool's high- and low-water marks, lowered to fit the disk it is on (9/10 of what is free now, with
+    the same ratio), saying so: a mark the disk cannot hold would end in a full disk, not a pause."""
+    free = shutil.disk_usage(spool).free
+    room = free * 9 // 10
+    if high <= room:
+        return high, low
+    fitted_high = max(1, room)
+    fitted_low = max(1, low * fitted_high // high)
+    print(f"hsextract: {label}: the spool's disk ({spool}) has {free / 2**30:.2f} GiB free, less than the "
+          f"high-water mark {high / 2**30:g} GiB: pausing above {fitted_high / 2**30:.3f} GiB and resuming below "
+          f"{fitted_low / 2**30:.3f} GiB instead", file=sys.stderr, flush=True)
+    return fitted_high, fitted_low

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsextract.extract import spool_marks
+from hsextract.upload import spool_marks
 from hsextract.journal import FILE_NAME
 from hsextract.store import split_uri
 
