@@ -25,7 +25,7 @@ from prefect.events import emit_event
 from .attempts import AttemptRecord
 
 EVENT_PREFIX = "extract.shard."
-SETTLED = ("done", "complete", "failed", "capped")  # states a run leaves a shard in
+SETTLED = ("done", "failed", "capped")  # what a run left a shard in, kept in the record ("complete": the journals say)
 
 
 def run_key(run: str) -> str:

@@ -36,8 +36,6 @@ class Plan:
     """What a run will do, decided before any host is touched."""
 
     run: str
-    output: str
-    data: str
     num_shards: int
     requested: list[int]
     already: set[int]                # complete per the journals: not launched
@@ -137,8 +135,8 @@ def plan_run(p: dict, log) -> Plan:
         attempts.reset(requested)
     capped = {s for s in requested if s not in already and attempts.get(s).failed_attempts >= p["max_attempts"]}
     todo = deque(s for s in requested if s not in already and s not in capped)
-    plan = Plan(run, p["output"], p["data"], num_shards, requested, already, capped, todo, inventory, store, attempts,
-                options, deadlines(p), access, p["aws_credentials"], build_bundle(ROOT))
+    plan = Plan(run, num_shards, requested, already, capped, todo, inventory, store, attempts, options, deadlines(p),
+                access, p["aws_credentials"], build_bundle(ROOT))
     for s in sorted(capped):
         seen = attempts.get(s)
         plan.failures[f"shard {s}"] = (
