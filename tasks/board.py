@@ -25,7 +25,7 @@ from prefect.events import emit_event
 from .attempts import AttemptRecord
 
 EVENT_PREFIX = "extract.shard."
-SETTLED = ("done", "failed", "capped")  # what a run left a shard in, kept in the record ("complete": the journals say)
+SETTLED = ("done", "failed", "capped")  # kept in the attempt record (a complete shard: the journals say so)
 
 
 def run_key(run: str) -> str:
