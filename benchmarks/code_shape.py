@@ -8,7 +8,7 @@ Reads the product's Python files (src/hsextract, tasks, flows, deployments) as t
 - places that branch on the output's scheme: a call of `startswith`/`removeprefix`/`endswith` with a
   `s3://` or `file://` literal, a comparison with such a literal, or `"://" in ...`;
 - public definitions (module-level functions and classes, and methods, whose names do not start with `_`)
-  that have a docstring (a method overriding a documented one of a base class in its module has it).
+  that have a docstring (a method overriding a documented one of a base class has it).
 `--root` measures another checkout (e.g. a `git worktree` of an older commit) for a before/after table.
 """
 
@@ -54,17 +54,19 @@ def scheme_branches(tree: ast.AST) -> list[int]:
     return sorted(lines)
 
 
-def public_definitions(tree: ast.Module):
-    """(name, has docstring) of module-level functions and classes and their methods, public ones only. A method
-    that overrides a documented method of a base class in the same module has that one's docstring (as
-    `inspect.getdoc` says)."""
-    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+def classes_of(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
+
+def public_definitions(tree: ast.Module, classes: dict[str, ast.ClassDef]):
+    """(name, has docstring) of module-level functions and classes and their methods, public ones only. A method
+    that overrides a documented method of a base class (any product module's class of that name) has that
+    one's docstring, as `inspect.getdoc` says."""
     def documented(cls: ast.ClassDef) -> set[str]:
         names = {item.name for item in cls.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
                  and ast.get_docstring(item) is not None}
         for base in cls.bases:
-            if isinstance(base, ast.Name) and base.id in classes:
+            if isinstance(base, ast.Name) and base.id in classes and classes[base.id] is not cls:
                 names |= documented(classes[base.id])
         return names
 
@@ -80,15 +82,16 @@ def public_definitions(tree: ast.Module):
 
 def measure(root: Path) -> dict:
     sizes, longest, branches, documented, public = {}, [], {}, 0, 0
-    for path in modules(root):
+    trees = {path: ast.parse(path.read_text()) for path in modules(root)}
+    classes = {name: node for tree in trees.values() for name, node in classes_of(tree).items()}
+    for path, tree in trees.items():
         text = path.read_text()
         rel = path.relative_to(root).as_posix()
         sizes[rel] = len(text.splitlines())
-        tree = ast.parse(text)
         longest += [(lines, f"{rel}:{name}") for name, lines in functions(tree)]
         if found := scheme_branches(tree):
             branches[rel] = found
-        for _, has in public_definitions(tree):
+        for _, has in public_definitions(tree, classes):
             public += 1
             documented += has
     longest.sort(reverse=True)
