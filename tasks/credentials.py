@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 CREDENTIALS_FILE = "aws-credentials"
-AWS_ENV_CLEARED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                   "AWS_SECURITY_TOKEN")
 
 
 class CredentialsError(Exception):

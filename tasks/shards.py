@@ -17,9 +17,10 @@ from prefect.cache_policies import NO_CACHE
 
 from hsextract.journal import JOURNAL_NAME, shard_dir_name
 from hsextract.options import WorkerOptions
+from hsextract.store.s3 import KEY_ENV
 
 from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, quote
-from .credentials import AWS_ENV_CLEARED, CREDENTIALS_FILE, load_access
+from .credentials import CREDENTIALS_FILE, load_access
 from .hosts import Host, HostError, Result, connect, tail
 from .inventory import HostSpec, Inventory
 
@@ -136,7 +137,7 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
         body = access.credentials_file()
         if body is not None and job.options.aws_credentials_file:  # the keys: a 0600 file the worker is told of
             host.put(body, str(job.options.aws_credentials_file), deadlines.command_timeout_s, mode=0o600)
-            clear = AWS_ENV_CLEARED
+            clear = KEY_ENV
         elif access.profile:
             env["AWS_PROFILE"] = access.profile
         if access.region:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from . import __version__
 from .options import WorkerOptions
+from .store.s3 import KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +37,7 @@ def use_credentials_file(opts: WorkerOptions) -> None:
     """S3 keys for this process only: boto3 reads the file --aws-credentials-file names, and no key inherited
     from the environment can be used instead."""
     if opts.aws_credentials_file is not None:
-        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-                     "AWS_PROFILE"):
+        for name in KEY_ENV:
             os.environ.pop(name, None)
         os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(opts.aws_credentials_file)
 

@@ -6,6 +6,9 @@ import re
 
 from .base import NoSuchBucket, Store, StoredObject
 
+#: what would give S3 keys from the environment instead of a credentials file a worker is handed
+KEY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SECURITY_TOKEN")
+
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
