@@ -24,16 +24,16 @@ __all__ = ["FILE_MODE", "LocalStore", "NoSuchBucket", "OutputState", "S3Store", 
            "write_atomic"]
 
 
-def open_store(uri: str | Path, client=None, create: bool = False) -> Store:
+def open_store(uri: str | Path, client=None) -> Store:
     """The store of an output: `s3://bucket/prefix`, or a local directory given as a path or `file://` URI
-    (`create`: make it if absent). For S3, `client` is a boto3 client or a function that makes one (called
-    only then); without it, boto3's default credential chain and $AWS_ENDPOINT_URL."""
+    (made when something is first written there). For S3, `client` is a boto3 client or a function that
+    makes one (called only then); without it, boto3's default credential chain and $AWS_ENDPOINT_URL."""
     text = str(uri)
     if text.startswith("s3://"):
         return S3Store(text, client() if callable(client) else client)
     if "://" in text and not text.startswith("file://"):
         raise ValueError(f"{text!r}: expected a local path, file:// or s3:// URI")
-    return LocalStore(text.removeprefix("file://"), create=create)
+    return LocalStore(text.removeprefix("file://"))
 
 
 def journal_keys(objects: Iterable[StoredObject]) -> list[str]:

@@ -53,11 +53,9 @@ class LocalStore(Store):
     """A directory on this machine (`file://` outputs, a worker's spool): a real destination, not a mock.
     Conditional writes hold an advisory lock on the object's directory while they compare and rename."""
 
-    def __init__(self, root: str | Path, create: bool = False):
+    def __init__(self, root: str | Path):
         self.root = Path(root)
         self.uri = f"file://{self.root}"
-        if create:
-            make_dirs(self.root)
 
     def _path(self, key: str) -> Path:
         return self.root / key
