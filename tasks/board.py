@@ -159,8 +159,9 @@ class Board:
         with self._lock:
             rows = {s: r.table() for s, r in self.rows.items()}
         for shard in self.attempts.known():
-            if shard not in rows and self.attempts.get(shard).last:
-                rows[shard] = self.attempts.get(shard).last
+            last = self.attempts.get(shard).last
+            if shard not in rows and last:
+                rows[shard] = last
         table = [self._with_attempts(rows[s]) for s in sorted(rows)]
         counts: dict[str, int] = {}
         for r in table:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .liveness import Heartbeat, Progress, announce_start
 from .options import WorkerOptions
 from .store.s3 import KEY_ENV
 
@@ -63,17 +64,15 @@ def confine_shard(opts: WorkerOptions):
 
 def extract(opts: WorkerOptions, capture=None) -> int:
     """`hsextract extract`: the STARTED line, the heartbeat, confinement, then the shard (`run_shard`)."""
-    from .liveness import Heartbeat, Progress, announce_start
-
     announce_start(opts.shard, opts.num_shards, __version__)
     use_credentials_file(opts)
     try:
-        return _extract(opts, capture, Heartbeat, Progress)
+        return _extract(opts, capture)
     finally:
         remove_credentials_file(opts)
 
 
-def _extract(opts: WorkerOptions, capture, Heartbeat, Progress) -> int:
+def _extract(opts: WorkerOptions, capture) -> int:
     try:
         opts.check_out()  # the rest is checked by run_shard, which reports a problem in exit.json too
     except ValueError as exc:
@@ -97,7 +96,7 @@ def _extract(opts: WorkerOptions, capture, Heartbeat, Progress) -> int:
     heartbeat.start()  # the first heartbeat comes before torch is imported
     from .extract import run_shard  # imports torch
 
-    return run_shard(opts, heartbeat, **({"capture": capture} if capture else {}))
+    return run_shard(opts, heartbeat, capture)
 
 
 def main(argv: list[str] | None = None, *, capture=None) -> int:

@@ -378,13 +378,14 @@ def install_signal_handlers(shard: ShardRun) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=LayerCapture) -> int:
+def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=None) -> int:
     """The body of `hsextract extract` after the STARTED line: returns the process exit code.
 
     `heartbeat`, when given, is already beating (the CLI starts it before torch is imported). `capture` makes
-    the object that loads the model and runs the forward pass (`LayerCapture`'s signature and `run`)."""
+    the object that loads the model and runs the forward pass (`LayerCapture`'s signature and `run`; None:
+    `LayerCapture` itself)."""
     progress = heartbeat.progress if heartbeat else Progress(opts.shard, opts.num_shards, __version__)
-    shard = ShardRun(opts, progress, capture)
+    shard = ShardRun(opts, progress, capture or LayerCapture)
     install_signal_handlers(shard)
     started = heartbeat is not None
     heartbeat = heartbeat or Heartbeat(opts.status_path, progress, opts.heartbeat_interval)

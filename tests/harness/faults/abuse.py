@@ -175,7 +175,7 @@ from hsextract import cli, extract
 real = extract.run_shard
 
 
-def evil(cfg, heartbeat=None):
+def evil(cfg, *args, **kwargs):
     if cfg.shard == 0:  # shard 0 turns on its neighbour, once both are set up
         other_out = cfg.out_dir / "shard-00001-of-00002"
         other_ctrl = cfg.status_path.parent / "shard-00001-of-00002"
@@ -199,7 +199,7 @@ def evil(cfg, heartbeat=None):
         mine.write_text("ok")
         mine.unlink()
         (cfg.status_path / "evil.json").write_text(json.dumps(tried))
-    return real(cfg, heartbeat)
+    return real(cfg, *args, **kwargs)
 
 
 extract.run_shard = evil
