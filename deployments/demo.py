@@ -91,8 +91,8 @@ def served(work: Path, assets: dict, output: str, hosts: str, run_name: str) -> 
                               capture_output=True)
         print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:]))
         if proc.returncode != 0:
-            raise SystemExit(f"prefect deployment run extract/qwen failed (rc {proc.returncode}); worker log: "
-                             f"{work / 'worker.log'}")
+            raise SystemExit(f"prefect deployment run extract/qwen failed (rc {proc.returncode}): "
+                             f"{last_state_message(run_name)}\nworker log: {work / 'worker.log'}")
         from prefect.artifacts import Artifact
 
         from tasks.board import table_key
@@ -108,6 +108,18 @@ def served(work: Path, assets: dict, output: str, hosts: str, run_name: str) -> 
     pids = " ".join(str(p) for p in ([server.process.pid] if server else []) + [worker.pid])
     return summary, (f"UI: {ui}  (flow runs, the shard table and progress artifacts, events)\n"
                      f"server and worker keep running (pids {pids}); stop them with:  kill {pids}")
+
+
+def last_state_message(run_name: str) -> str:
+    """The state message of the latest flow run of `run_name` (the flow tags its runs `run:<run_name>`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_name}"])),
+                                     sort=FlowRunSort.START_TIME_DESC, limit=1)
+    return (runs[0].state.message or runs[0].state.name) if runs and runs[0].state else "no flow run found"
 
 
 if __name__ == "__main__":

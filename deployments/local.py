@@ -1,8 +1,9 @@
 """A Prefect server and a process worker on this machine, as subprocesses (`deployments.demo --served`).
 
 `PrefectServer(home)` runs `prefect server start` on a free loopback port with its SQLite database under
-`home`, and waits until the API answers; `start_worker(pool, env)` runs `prefect worker start` for a
-process work pool. Both are plain processes a user could start by hand: the README's set-up, automated.
+`home` and the UI pointed at that port's API (`PREFECT_UI_API_URL`), and waits until the API answers;
+`start_worker(pool, env)` runs `prefect worker start` for a process work pool. Both are plain processes a
+user could start by hand: the README's set-up, automated.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class PrefectServer:
         self.home = Path(home)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
+        self.ui_url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.log_path = self.home / "server.log"
@@ -40,12 +42,14 @@ class PrefectServer:
     @property
     def env(self) -> dict:
         """The environment that points Prefect clients and workers at this server."""
-        return {"PREFECT_API_URL": self.url, "PREFECT_HOME": str(self.home),
+        return {"PREFECT_API_URL": self.url, "PREFECT_UI_URL": self.ui_url, "PREFECT_HOME": str(self.home),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
     def __enter__(self) -> "PrefectServer":
         self.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env,
+        # the UI a browser loads asks /ui-settings where its API is: without PREFECT_UI_API_URL it says
+        # http://127.0.0.1:4200/api whatever port the server listens on, and the page cannot connect
+        env = {**os.environ, **self.env, "PREFECT_UI_API_URL": self.url,
                "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.home / 'prefect.db'}"}
         env.pop("PREFECT_API_URL")
         log = open(self.log_path, "ab")

@@ -7,10 +7,12 @@ the run: complete shards are not redone (the worker resumes by sample id) and ru
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
+from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
@@ -19,9 +21,9 @@ from tasks.board import Board, run_key
 from tasks.commands import RUN_NAME_PATTERN
 from tasks.deploy import deploy_hosts
 from tasks.orphans import close_orphans
-from tasks.plan import ROOT, plan_run, worker_version
+from tasks.plan import ROOT, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
-from tasks.rerun import incomplete, related_resources, unreconciled
+from tasks.rerun import announce, incomplete, related_resources, unreconciled
 from tasks.slots import run_shards
 
 __all__ = ["PARAMETERS", "ROOT", "extract"]
@@ -40,7 +42,34 @@ PARAMETERS = ("model", "data", "output", "hosts", "layers", "num_shards", "shard
               "progress_timeout_s", "spool_high_gb", "spool_low_gb", "confine")
 
 
-@flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True)
+def flow_run_name() -> str:
+    """What a flow run of `extract` is called: its run_name, and which automated re-run it is
+    (`qwen36-chat`, `qwen36-chat · re-run 2`): the runs list shows which runs are one job."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    name, depth = run_name_of(p), p.get("rerun_depth") or 0
+    return f"{name} · re-run {depth}" if depth else name
+
+
+def tag_flow_run(run: str) -> None:
+    """Tag this flow run `run:<run_name>` (the runs list filters on tags); a view: never fails the run."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    tags = sorted({*(ctx.flow_run.tags or []), f"run:{run}"})
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(ctx.flow_run.id, tags=tags)
+    except Exception as exc:
+        get_run_logger().warning("run %s: flow run not tagged: %s", run, exc)
+
+
+@flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True,
+      flow_run_name=flow_run_name)
 def extract(
     model: Annotated[str, Field(min_length=1)],
     data: Annotated[str, Field(min_length=1)],
@@ -90,28 +119,40 @@ def extract(
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()
     plan = plan_run(params, log)
+    tag_flow_run(plan.run)
     close_orphans(plan.run, log)
-    with Board(plan.run, plan.num_shards, plan.requested, plan.attempts, status_interval_s,
-               related_resources()) as board:
+    with Board(plan.run, plan.num_shards, plan.requested, plan.attempts, status_interval_s, related_resources(),
+               uploads=plan.options.upload is not None) as board:
         for shard in sorted(plan.already):
             board.set_state(shard, "complete", "already complete")
         for shard in sorted(plan.capped):
-            board.set_state(shard, "capped", plan.failures[f"shard {shard}"])
-        healthy, failures = deploy_hosts(plan.inventory, plan.bundle, worker_version()) if plan.todo else (set(), {})
-        done, shard_failures = run_shards(plan, healthy, board)
+            board.set_state(shard, "capped", plan.failures[f"shard {shard}"].why)
+        checks = replace(plan.options, shard=0, num_shards=plan.num_shards).argv()  # each host checks the inputs
+        healthy, failures = (deploy_hosts(plan.inventory, plan.bundle, worker_version(), checks) if plan.todo
+                             else (set(), {}))
+        for failure in failures.values():
+            board.host_failed(failure.host, failure.why)
+        done, shard_failures = run_shards(plan, healthy, board, failures)
     failures = {**plan.failures, **failures, **shard_failures}
     outcomes = {**done, **{s: "done (already complete)" for s in plan.already}, **{s: "capped" for s in plan.capped}}
     summary = {"run_name": plan.run, "output": output, "num_shards": plan.num_shards,
                "shards": {str(s): outcomes.get(s, "failed") for s in plan.requested}}
     if failures:
-        raise incomplete(plan, summary["shards"], failures, params, log)
+        error = incomplete(plan, summary["shards"], failures, params, log)
+        board.finish("failed", {"why": f"artifact `failure-{run_key(plan.run)}`"})
+        return Failed(message=str(error), data=error)  # the message as is (raising adds a traceback to it)
     log.info("run %s: all %d requested shard(s) complete", plan.run, len(plan.requested))
     if not (plan.reachable() and Path(data).is_file()):
         log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the orchestrator "
                     "(file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)
+        board.finish("complete (not reconciled)")
+        announce(plan.run, "complete", f"{len(plan.requested)} shard(s) done (not reconciled from here)", summary)
         return summary
     summary["reconcile"] = reconcile(plan.store, data, plan.num_shards, verify_checksums,
                                      artifact_key=f"reconcile-{run_key(plan.run)}")
     if error := unreconciled(plan, summary["reconcile"], params, log):
-        raise error
+        board.finish("failed: samples missing", {"why": f"artifact `failure-{run_key(plan.run)}`"})
+        return Failed(message=str(error), data=error)
+    board.finish("complete", {"reconcile": f"artifact `reconcile-{run_key(plan.run)}`"})
+    announce(plan.run, "complete", f"{summary['reconcile']['done']} sample(s) stored and reconciled", summary)
     return summary

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Set up everything this project needs, idempotently: a virtualenv in .venv with the CPU build of torch
 # first (so nothing pulls a multi-GB CUDA build), then the project with all its extras, plus the
-# system packages the tests need (openssh-server, iproute2) when run as root on Debian/Ubuntu.
+# system packages the tests need (openssh-server, iproute2, chromium for the UI test) when run as root on
+# Debian/Ubuntu.
 # Override the torch requirement with TORCH_SPEC (e.g. TORCH_SPEC='torch>=2.6' on a GPU host).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# System packages the tests use (a real sshd per test host, network namespaces as extra hosts).
+# System packages the tests use (a real sshd per test host, network namespaces as extra hosts, a headless
+# browser that renders the Prefect UI).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=""
   [ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
   command -v ip >/dev/null || missing="$missing iproute2"
   command -v flock >/dev/null || missing="$missing util-linux"
+  command -v chromium >/dev/null || missing="$missing chromium fonts-liberation"  # the UI test's browser
   if [ -n "$missing" ]; then
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null

@@ -25,13 +25,7 @@ from dataclasses import asdict, dataclass, field
 from hsextract.journal import shard_dir_name
 from hsextract.store import Store
 
-ERROR_CHARS = 400
-
-
-def one_line(text: str, limit: int = ERROR_CHARS) -> str:
-    """`text` on one line (lines joined with ' | '), cut to `limit` characters."""
-    text = " | ".join(part.strip() for part in str(text).splitlines() if part.strip())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+from .failures import one_line
 
 
 @dataclass
@@ -90,12 +84,21 @@ class AttemptRecord:
             return sorted(s for s in range(self.num_shards) if shard_dir_name(s, self.num_shards) in self._shards)
 
     # --- changes ----------------------------------------------------------------------------------------------
-    def failed(self, shard: int, host: str, error: str) -> None:
-        """One more failure of `shard`, on `host`, for `error`."""
+    def failed(self, shard: int, host: str, error: str, count: bool = True) -> None:
+        """`shard` failed on `host` for `error`: one more failure, unless `count` is False (a mistake a re-run
+        cannot fix burns no attempt)."""
         def change(entry: ShardAttempts) -> None:
-            entry.failed_attempts += 1
+            entry.failed_attempts += 1 if count else 0
             entry.last_failed_host, entry.last_error = host, one_line(error)
         self._change(shard, change)
+
+    def forgive(self, shards: list[int]) -> None:
+        """Take back one counted failure of each of `shards` (found afterwards to be a mistake no re-run fixes)."""
+        def change(entry: ShardAttempts) -> None:
+            entry.failed_attempts = max(0, entry.failed_attempts - 1)
+        for shard in shards:
+            self._change(shard, change, write=False)
+        self.write()
 
     def ended(self, shard: int, row: dict) -> None:
         """How a run left `shard`: its table row (state, host, GPU, samples...), shown by later runs' tables."""

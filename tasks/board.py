@@ -1,11 +1,16 @@
-"""What the Prefect UI shows about a run's shards: a view, never a record anyone reads back.
+"""What the Prefect UI shows about a run: a view, never a record anyone reads back.
 
+- `status-<run>`, the run-level status a person reads first (markdown, tasks/runstatus.py): whole-run
+  progress (samples and tokens done / total, rate, ETA), shards by state, and each failed shard's reason;
+- `shards-<run>`, the shard table: state, samples, host, GPU, failed attempts and the last error (short),
+  tokens/s, heartbeat age, files and MB written (and uploaded, with an s3:// output), pid, for every shard
+  of the run (a shard this run does not touch shows the row the attempt record kept of it);
 - one progress artifact per shard (samples done / total, from the heartbeats);
-- a shard status table artifact, republished every `interval_s` and at every state change: host, GPU, pid,
-  state, samples, skipped, tokens/s, heartbeat age, files and bytes written and uploaded, and from the
-  attempt record (tasks/attempts.py) failed attempts, last failing host and last error, for every shard of
-  the run (a shard this run does not touch shows the row the record kept of it);
-- an event on every shard state change, `extract.shard.<state>`, with the shard, host and reason.
+- an event on every shard state change, `extract.shard.<state>`, whose resource name says shard, host, state
+  and the reason or samples (what the event feed shows), with the run's flow run, flow and deployment related.
+
+Each artifact is created once per flow run and then updated in place (at state changes, and every
+`interval_s` while shards run): a run of hours keeps one card of each, and a re-run adds one version.
 A state change goes to the attempt record first (a failure counted, how the shard ended), then to the view.
 """
 
@@ -13,19 +18,24 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import json
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 from prefect import get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, \
+    update_progress_artifact
 from prefect.events import emit_event
 
 from .attempts import AttemptRecord
+from .failures import one_line
+from .runstatus import RunProgress, render, totals
 
 EVENT_PREFIX = "extract.shard."
 SETTLED = ("done", "failed", "capped")  # kept in the attempt record (a complete shard: the journals say so)
+CELL_CHARS = 100  # the table's error cells; the failure-<run> artifact has the whole story
 
 
 def run_key(run: str) -> str:
@@ -39,9 +49,14 @@ def table_key(run: str) -> str:
     return f"shards-{run_key(run)}"
 
 
+def status_key(run: str) -> str:
+    """The key of the run's status artifact (whole-run progress, the first thing to read)."""
+    return f"status-{run_key(run)}"
+
+
 @dataclass
 class Row:
-    """What the table shows of one shard in this run (the attempt columns come from the record)."""
+    """What the view shows of one shard in this run (the attempt columns come from the record)."""
 
     shard: int
     num_shards: int = 0
@@ -52,6 +67,7 @@ class Row:
     samples_done: int = 0
     samples_total: int = 0
     skipped: int = 0
+    tokens_done: int = 0
     tokens_per_s: float = 0.0
     heartbeat_age_s: float | None = None
     files: int = 0
@@ -63,18 +79,29 @@ class Row:
     progress_sent: float = -1.0
 
     def table(self) -> dict:
-        """The row as the table shows it (without the attempt columns, which come from the record)."""
-        return {"shard": self.shard, "of": self.num_shards, "host": self.host, "gpu": self.gpu, "pid": self.pid, "state": self.state,
-                "samples": f"{self.samples_done}/{self.samples_total}", "skipped": self.skipped,
-                "tokens_per_s": round(self.tokens_per_s), "heartbeat_age_s":
-                    None if self.heartbeat_age_s is None else round(self.heartbeat_age_s, 1),
+        """The row's own cells, in the order the table shows them (the attempt columns are added after
+        `gpu`); the upload columns are dropped later for an output that has no uploads."""
+        return {"shard": self.shard, "state": self.state,
+                "samples": f"{self.samples_done}/{self.samples_total}" if self.samples_total else "-",
+                "host": self.host, "gpu": self.gpu, "tokens_per_s": round(self.tokens_per_s),
+                "heartbeat_age_s": None if self.heartbeat_age_s is None else round(self.heartbeat_age_s, 1),
                 "files": self.files, "mb": round(self.bytes / 1e6, 1), "files_uploaded": self.files_uploaded,
-                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1)}
+                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1), "pid": self.pid}
+
+    def counts(self) -> dict:
+        """What the run's totals add up."""
+        return {"state": self.state, "samples_done": self.samples_done, "samples_total": self.samples_total,
+                "skipped": self.skipped, "tokens_done": self.tokens_done}
+
+
+UPLOAD_COLUMNS = ("files_uploaded", "mb_uploaded")
 
 
 @dataclass
 class Board:
-    """The run's shard rows; thread-safe; publishes from a background thread carrying the flow's context."""
+    """The run's shard rows; thread-safe; publishes from a background thread carrying the flow's context.
+    `uploads`: the output is s3:// (the table shows what was uploaded); `links`: label -> where, shown at
+    the foot of the status."""
 
     run: str
     num_shards: int
@@ -82,9 +109,16 @@ class Board:
     attempts: AttemptRecord
     interval_s: float = 15.0
     related: list[dict] = field(default_factory=list)
+    uploads: bool = False
 
     def __post_init__(self):
         self.rows = {s: Row(s, self.num_shards) for s in self.shards}
+        self.progress = RunProgress()
+        self.verdict = ""
+        self.links: dict[str, str] = {}
+        self.hosts_failed: dict[str, str] = {}
+        self._artifacts: dict[str, object] = {}  # key -> id of this flow run's version
+        self._sent: dict[str, tuple] = {}        # key -> what it holds now
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._stop = threading.Event()
@@ -92,18 +126,22 @@ class Board:
         self._log = get_run_logger()
 
     # --- what the flow tells it -------------------------------------------------------------------------
-    def set_state(self, shard: int, state: str, reason: str = "", **payload) -> None:
-        """A state change: into the attempt record when the run leaves the shard there (a failure counted),
-        then the event `extract.shard.<state>`, and the table republished soon."""
+    def set_state(self, shard: int, state: str, reason: str = "", retryable: bool = True, **payload) -> None:
+        """A state change: into the attempt record when the run leaves the shard there (a failure counted,
+        unless a re-run cannot help: `retryable` False), then the event `extract.shard.<state>`, and the
+        view updated soon."""
         with self._lock:
             row = self.rows[shard]
             row.state = state
             for name in ("host", "gpu", "pid"):
                 if payload.get(name) is not None:
                     setattr(row, name, payload[name])
+            if state == "done" and payload.get("samples_done") is not None:
+                row.samples_done = max(row.samples_done, int(payload["samples_done"]))
+                row.samples_total = row.samples_total or row.samples_done
             snapshot = row.table()
         if state == "failed":
-            self.attempts.failed(shard, snapshot["host"], reason)
+            self.attempts.failed(shard, snapshot["host"], reason, count=retryable)
         if state in SETTLED:
             self.attempts.ended(shard, snapshot)
         self._emit(state, self._with_attempts(snapshot), reason, payload)
@@ -113,8 +151,15 @@ class Board:
 
     def _with_attempts(self, row: dict) -> dict:
         seen = self.attempts.get(row["shard"])
-        return {**row, "failed_attempts": seen.failed_attempts, "last_failed_host": seen.last_failed_host,
-                "last_error": seen.last_error}
+        shown = {}
+        for name, value in row.items():
+            if name in ("of", "num_shards") or (name in UPLOAD_COLUMNS and not self.uploads):
+                continue
+            shown[name] = value
+            if name == "gpu":
+                shown.update(failed_attempts=seen.failed_attempts, last_error=one_line(seen.last_error, CELL_CHARS),
+                             last_failed_host=seen.last_failed_host)
+        return shown
 
     def beat(self, shard: int, heartbeat: dict | None, age: float | None) -> None:
         """A probe of a running shard: counters from its heartbeat, and the progress artifact now and then."""
@@ -124,12 +169,26 @@ class Board:
             row.samples_done = int(beat.get("samples_done") or 0)
             row.samples_total = int(beat.get("samples_total") or 0)
             row.skipped = int(beat.get("samples_skipped") or 0)
+            row.tokens_done = int(beat.get("tokens_done") or 0)
             row.tokens_per_s = float(beat.get("tokens_per_s") or 0.0)
             row.heartbeat_age_s = age
             row.files, row.bytes = int(beat.get("files") or 0), int(beat.get("bytes") or 0)
             row.files_uploaded = int(beat.get("files_uploaded") or 0)
             row.bytes_uploaded = int(beat.get("bytes_uploaded") or 0)
         self._progress(row)
+
+    def host_failed(self, host: str, why: str) -> None:
+        """`host` is out of this run (its deploy or preflight check failed, `why`): the status says so."""
+        with self._lock:
+            self.hosts_failed[host] = why
+        self._dirty.set()
+
+    def finish(self, verdict: str, links: dict[str, str] | None = None) -> None:
+        """The run's verdict (`complete`, `failed`) and where to read more, into the status (after the board
+        closed: the last update of the view)."""
+        self.verdict = verdict
+        self.links.update(links or {})
+        self.publish()
 
     # --- publishing -------------------------------------------------------------------------------------
     def _percent(self, row: Row) -> float:
@@ -154,30 +213,69 @@ class Board:
         except Exception as exc:  # the UI is a view: a failed update never fails the shard
             self._log.warning("run %s shard %d: progress artifact not updated: %s", self.run, row.shard, exc)
 
-    def publish(self) -> None:
-        """One new version of the table: this run's rows, and the record's last row of every other shard."""
+    def table(self) -> list[dict]:
+        """The shard table: this run's rows, and the record's last row of every other shard."""
         with self._lock:
             rows = {s: r.table() for s, r in self.rows.items()}
         for shard in self.attempts.known():
             last = self.attempts.get(shard).last
             if shard not in rows and last:
                 rows[shard] = last
-        table = [self._with_attempts(rows[s]) for s in sorted(rows)]
-        counts: dict[str, int] = {}
+        return [self._with_attempts(rows[s]) for s in sorted(rows)]
+
+    def status(self) -> str:
+        """The markdown of the run's status (whole-run progress first)."""
+        with self._lock:
+            counts = [r.counts() for r in self.rows.values()]
+            failed = [(f"shard {r.shard}/{self.num_shards}" + (f" on {r.host}" if r.host else ""), r.shard)
+                      for r in self.rows.values() if r.state in ("failed", "capped")]
+            hosts = [(f"host {host}", why) for host, why in sorted(self.hosts_failed.items())]
+        now = totals(counts)
+        self.progress.add(now)
+        reasons = hosts + [(where, one_line(self.attempts.get(shard).last_error, CELL_CHARS) or "?")
+                           for where, shard in failed]
+        links = {"shard table": f"artifact `{table_key(self.run)}`", **self.links}
+        return render(self.run, self.num_shards, now, self.progress, reasons, self.verdict, links)
+
+    def publish(self) -> None:
+        """The status and the shard table, created for this flow run or updated in place."""
+        table = self.table()
+        states: dict[str, int] = {}
         for r in table:
-            counts[r["state"]] = counts.get(r["state"], 0) + 1
-        summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+            states[r["state"]] = states.get(r["state"], 0) + 1
+        summary = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+        status = self.status()
+        self._put(status_key(self.run), "markdown", status, status.split("\n", 1)[0].lstrip("# ").replace("`", ""))
+        self._put(table_key(self.run), "table", table, f"run {self.run}: {self.num_shards} shard(s): {summary}")
+
+    def _put(self, key: str, kind: str, data, description: str) -> None:
+        if self._sent.get(key) == (data, description):
+            return  # unchanged: no update (each is an event in the feed and in `prefect deployment run --watch`)
         try:
-            create_table_artifact(table, key=table_key(self.run),
-                                  description=f"run {self.run}: shards of {self.num_shards}: {summary}")
-        except Exception as exc:
-            self._log.warning("run %s: shard status table not published: %s", self.run, exc)
+            if key in self._artifacts:
+                from prefect.client.orchestration import get_client
+                from prefect.client.schemas.actions import ArtifactUpdate
+
+                with get_client(sync_client=True) as client:
+                    client.update_artifact(self._artifacts[key], ArtifactUpdate(
+                        data=json.dumps(data) if kind == "table" else data, description=description))
+            else:
+                create = create_table_artifact if kind == "table" else create_markdown_artifact
+                self._artifacts[key] = create(data, key=key, description=description)
+            self._sent[key] = (data, description)
+        except Exception as exc:  # the UI is a view: a failed update never fails the run
+            self._log.warning("run %s: artifact %s not published: %s", self.run, key, exc)
 
     def _emit(self, state: str, row: dict, reason: str, payload: dict) -> None:
+        facts = one_line(reason, 120) if state in ("failed", "capped") else \
+            (f"{row['samples']} samples" if row["samples"] != "-" else one_line(reason, 120))
         resource = {"prefect.resource.id": f"hsextract.shard.{run_key(self.run)}.{row['shard']}",
-                    "prefect.resource.name": f"{self.run} shard {row['shard']}",
+                    "prefect.resource.name": f"{self.run} shard {row['shard']}/{self.num_shards}"
+                                             + (f" on {row['host']}" if row["host"] else "") + f": {state}"
+                                             + (f", {facts}" if facts else ""),
                     "hsextract.run": self.run, "hsextract.shard": str(row["shard"]),
-                    "hsextract.host": row["host"] or ""}
+                    "hsextract.host": row["host"] or "", "hsextract.state": state,
+                    "hsextract.samples": row["samples"], "hsextract.reason": one_line(reason, 200)}
         body = {"run_name": self.run, "shard": row["shard"], "num_shards": self.num_shards, "host": row["host"],
                 "gpu": row["gpu"], "pid": row["pid"], "reason": reason, "failed_attempts": row["failed_attempts"],
                 "samples": row["samples"], **{k: v for k, v in payload.items() if k not in ("host", "gpu", "pid")}}
@@ -194,7 +292,7 @@ class Board:
             if self._stop.is_set():
                 break
             self.publish()
-            time.sleep(0.5)  # coalesce a burst of state changes into one version
+            time.sleep(0.5)  # coalesce a burst of state changes into one update
 
     def __enter__(self) -> "Board":
         self.publish()

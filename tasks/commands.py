@@ -86,6 +86,14 @@ def env_check_cmd(python: str, workdir: str, bundle_sha256: str) -> str:
     return f"{quote(python)} -c {quote(code)} > {quote(env)}.$$.tmp && mv {quote(env)}.$$.tmp {quote(env)} && cat {quote(env)}"
 
 
+def preflight_cmd(workdir: str, bundle_sha256: str, python: str, options: list[str]) -> str:
+    """`hsextract check` from the bundle with a shard's worker options: prints `CHECK {...}`, or exits 2
+    naming what a shard would fail on (model, layers, dataset, output)."""
+    d = bundle_dir(workdir, bundle_sha256)
+    return (f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(python)} -m hsextract check "
+            + " ".join(quote(a) for a in options) + " </dev/null")
+
+
 def launch_cmd(control: str, bundle: str, gpu: int, argv: list[str], journal: str, wait_s: float = 5.0,
                env: dict[str, str] | None = None, unset: tuple[str, ...] = ()) -> str:
     """Run the bundle's launch script (tasks/launch.sh: start the worker `argv` detached under a launch lock,

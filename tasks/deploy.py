@@ -1,7 +1,9 @@
-"""Push the code bundle to a host and prove it: the host prints the bundle hash and the worker's version."""
+"""Push the code bundle to a host and prove it: the host prints the bundle hash and the worker's version;
+then check, on the host, what every shard will need (`hsextract check`: model, layers, dataset, output)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -10,18 +12,32 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from .bundle import Bundle
-from .commands import bundle_tarball, check_bundle_cmd, env_check_cmd, quote, unpack_bundle_cmd
+from .commands import bundle_tarball, check_bundle_cmd, env_check_cmd, preflight_cmd, quote, unpack_bundle_cmd
+from .failures import Failure, last_line, one_line
 from .hosts import Host, HostError, connect
 from .inventory import Inventory
 from .transient import is_transient
 
 
 class DeployFailed(Exception):
-    """The host does not have a provably working copy of the bundle."""
+    """The host does not have a provably working copy of the bundle (or, `mistake`, the run's inputs are not
+    usable there: a re-run cannot fix that, a person must). The message's first line says why; the rest is
+    the evidence (command, what it printed)."""
 
-    def __init__(self, message: str, transient: bool = False):
-        super().__init__(message)
-        self.transient = transient
+    def __init__(self, message: str, transient: bool = False, mistake: bool = False):
+        super().__init__(message, transient, mistake)
+        self.transient, self.mistake = transient, mistake
+
+    def __str__(self) -> str:
+        return self.args[0].split("\n", 1)[0]
+
+    def __repr__(self) -> str:
+        return f"DeployFailed: {self}"
+
+    @property
+    def evidence(self) -> str:
+        """The whole message: the reason, the command and what it printed."""
+        return self.args[0]
 
 
 @dataclass(frozen=True)
@@ -72,21 +88,40 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
                                f"failed: {exc.reason}{_free_space(host, host.spec.workdir)}", exc.transient) from None
         unpacked = host.run(unpack_bundle_cmd(host.spec.workdir, bundle.sha256, nonce), timeout)
         if not unpacked.stdout.startswith(f"SHA256 {bundle.sha256}\n") or not unpacked.ok:
-            raise DeployFailed(f"wrong bundle hash or unpack failed (expected sha256 {bundle.sha256}); "
-                               + unpacked.describe())
+            raise DeployFailed(f"host {host.name}: wrong bundle hash or unpack failed: {_said(unpacked)}\n"
+                               f"(expected sha256 {bundle.sha256}); " + unpacked.describe())
         proved, check = _proof(host, bundle.sha256, python, version, timeout)
         if not proved:
-            raise DeployFailed(f"the bundle is on the host but `{python} -m hsextract --version` did not prove "
-                               f"it (expected 'BUNDLE {bundle.sha256}' and 'hsextract {version}'); "
-                               + check.describe())
+            raise DeployFailed(f"host {host.name}: `{python} -m hsextract --version` did not prove the bundle: "
+                               f"{_said(check)}\n"
+                               f"(expected 'BUNDLE {bundle.sha256}' and 'hsextract {version}'); " + check.describe())
     if skipped and (line := next((l for l in check.stdout.splitlines() if l.startswith("ENV ")), None)):
         return Deployed(host.name, bundle.sha256, version, line[4:], True, round(time.monotonic() - started, 3))
     env = host.run(env_check_cmd(python, host.spec.workdir, bundle.sha256), timeout)
     line = next((l for l in env.stdout.splitlines() if l.startswith("ENV ")), None)
     if not env.ok or line is None:
-        raise DeployFailed("the host's python cannot import the worker's packages (torch, transformers, "
-                           "safetensors); " + env.describe())
+        raise DeployFailed(f"host {host.name}: its python cannot import the worker's packages (torch, transformers, "
+                           f"safetensors): {_said(env)}\n" + env.describe())
     return Deployed(host.name, bundle.sha256, version, line[4:], skipped, round(time.monotonic() - started, 3))
+
+
+def preflight_host(host: Host, bundle_sha256: str, options: list[str], timeout: float = 120.0) -> dict:
+    """`hsextract check` on `host` with a shard's worker `options`: what it found (model type, layers...);
+    DeployFailed(mistake=True) naming the problem when a shard could not run there."""
+    result = host.run(preflight_cmd(host.spec.workdir, bundle_sha256, host.spec.python, options), timeout)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("CHECK ")), None)
+    if result.ok and line is not None:
+        return json.loads(line[6:])
+    said = last_line(result.stderr).removeprefix("hsextract: ")
+    if result.returncode == 2 and said:
+        raise DeployFailed(f"host {host.name}: {said}\npreflight check: {result.describe()}", mistake=True)
+    raise DeployFailed(f"host {host.name}: the preflight check (`hsextract check`) gave no verdict: "
+                       f"{_said(result)}\n" + result.describe())
+
+
+def _said(result) -> str:
+    """The last line a command printed (stderr first): its own word on what went wrong."""
+    return last_line(result.stderr) or last_line(result.stdout) or f"exit {result.returncode}, nothing printed"
 
 
 def _retry_transient(task, task_run, state) -> bool:
@@ -103,34 +138,44 @@ def _retry_transient(task, task_run, state) -> bool:
 
 @task(name="deploy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_transient,
       task_run_name="deploy-{host_name}")
-def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str) -> Deployed:
-    """Task: `deploy_host` over a connection of its own; a transient failure is retried."""
+def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str,
+           options: list[str] | None = None) -> Deployed:
+    """Task: `deploy_host` over a connection of its own, then `preflight_host` with the worker `options`
+    (when given); a transient failure is retried, a mistake in the inputs is not."""
     with connect(inventory.host(host_name), inventory) as host:
         deployed = deploy_host(host, bundle, version)
-    get_run_logger().info("host %s: bundle %s %s, %s, %s (%.1fs)", host_name, bundle.sha256[:12],
+        found = preflight_host(host, bundle.sha256, options) if options is not None else {}
+    get_run_logger().info("host %s: bundle %s %s, %s, %s (%.1fs)%s", host_name, bundle.sha256[:12],
                           "already in place" if deployed.skipped else "pushed", deployed.version,
-                          deployed.environment, deployed.seconds)
+                          deployed.environment, deployed.seconds,
+                          f"; checked: {found['model_type']} with {found['num_layers']} layers, layers "
+                          f"{found['layers']}, dataset {found['data_bytes']:,} bytes" if found else "")
     return deployed
 
 
-def deploy_hosts(inventory: Inventory, bundle: Bundle, version: str) -> tuple[set[str], dict[str, str]]:
-    """Deploy to every host concurrently (a `deploy` task each): (healthy host names, {"host X": why} for the
-    others, whose shards then run on the healthy ones)."""
-    futures = {h.name: deploy.submit(h.name, inventory, bundle, version) for h in inventory.hosts}
+def deploy_hosts(inventory: Inventory, bundle: Bundle, version: str,
+                 options: list[str] | None = None) -> tuple[set[str], dict[str, Failure]]:
+    """Deploy to every host concurrently (a `deploy` task each, checking a shard's worker `options` there):
+    (healthy host names, {"host X": Failure} for the others, whose shards then run on the healthy ones)."""
+    futures = {h.name: deploy.submit(h.name, inventory, bundle, version, options) for h in inventory.hosts}
     healthy, failures = set(), {}
     for name, future in futures.items():
         future.wait()
         if future.state.is_completed():
             healthy.add(name)
         else:
-            failures[f"host {name}"] = _reason(future.state)
+            failures[f"host {name}"] = _failure(name, future.state)
     return healthy, failures
 
 
-def _reason(state) -> str:
-    """The error a failed task's state holds, as text."""
+def _failure(name: str, state) -> Failure:
+    """The host's `Failure` from its failed task's state: its first line is the reason."""
     try:
         state.result()
+    except DeployFailed as exc:
+        return Failure(name, one_line(str(exc).removeprefix(f"host {name}: ")), exc.evidence,
+                       retryable=not exc.mistake)
     except Exception as exc:
-        return str(exc)
-    return state.message or state.name
+        text = str(exc) or type(exc).__name__
+        return Failure(name, one_line(text.removeprefix(f"host {name}: ")), text)
+    return Failure(name, one_line(state.message or state.name))

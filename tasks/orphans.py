@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .plan import default_run_name
+from .plan import run_name_of
 
 #: states whose flow run will never report again: its task runs still Pending or Running are orphans
 DEAD = ("CRASHED", "FAILED", "CANCELLED", "COMPLETED")
@@ -61,7 +61,7 @@ def close_orphans(run: str, log) -> None:
     try:
         with get_client(sync_client=True) as client:
             closed = close_orphaned_task_runs(
-                client, run, lambda p: p.get("run_name") or default_run_name(str(p.get("output"))),
+                client, run, run_name_of,
                 ctx.flow_run.id if ctx and ctx.flow_run else None)
     except Exception as exc:  # bookkeeping: never a reason to stop the run
         log.warning("run %s: could not close the task runs earlier runs left Running: %s", run, exc)

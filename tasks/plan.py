@@ -21,6 +21,7 @@ from hsextract.store import NoSuchBucket, Store, open_store, scan
 from .attempts import AttemptRecord
 from .bundle import Bundle, build_bundle
 from .credentials import S3Access, load_access
+from .failures import Failure
 from .inventory import Inventory, InventoryError, load_inventory, parse_inventory
 from .shards import Deadlines, ShardJob
 
@@ -28,7 +29,22 @@ ROOT = Path(__file__).resolve().parents[1]  # the checkout: what the code bundle
 
 
 class RunIncomplete(Exception):
-    """Some requested shard is not done; the message lists every failure with host and reason."""
+    """Some requested shard is not done. The message is short (one line per cause: where, why, and where
+    the evidence is); `details` lists every failure with its evidence (command, output, log tail)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message, details)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __repr__(self) -> str:  # what Prefect's logs show of it: the message, not a tuple of escaped strings
+        return f"RunIncomplete: {self.args[0]}"
+
+    @property
+    def details(self) -> str:
+        """Every failure with its evidence, one `- where: evidence` entry each."""
+        return self.args[1] or self.args[0]
 
 
 @dataclass
@@ -49,7 +65,7 @@ class Plan:
     access: S3Access
     aws_credentials: str | None
     bundle: Bundle
-    failures: dict[str, str] = field(default_factory=dict)  # "shard N": why, for the capped ones
+    failures: dict[str, Failure] = field(default_factory=dict)  # "shard N": why, for the capped ones
 
     @property
     def slots(self) -> list[tuple[str, int]]:
@@ -70,9 +86,20 @@ class Plan:
                            env=(("AWS_DEFAULT_REGION", self.access.region),) if upload and self.access.region else ())
 
 
-def default_run_name(output: str) -> str:
-    """The run name a run of `output` gets when it names none: the same output, the same run."""
-    return "run-" + hashlib.sha256(output.encode()).hexdigest()[:10]
+def default_run_name(model: str, data: str, output: str) -> str:
+    """The run name a run gets when it names none, readable and stable: the model's and the dataset's names
+    and a hash of the three (`qwen3-6-27b-chats-3f9a1c`): calling again with the same ones continues it."""
+    def slug(path: str) -> str:
+        name = re.split(r"[/\\]", path.rstrip("/"))[-1]
+        name = re.sub(r"(\.(jsonl|json|parquet|arrow|gz|zst|bz2|xz))+$", "", name, flags=re.I)
+        return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]  # its artifact keys read the same
+    digest = hashlib.sha256("\0".join((model, data, output)).encode()).hexdigest()[:6]
+    return "-".join(filter(None, (slug(model), slug(data), digest)))
+
+
+def run_name_of(p: dict) -> str:
+    """The run name of the flow parameters `p`: theirs, or the default one."""
+    return p.get("run_name") or default_run_name(str(p.get("model")), str(p.get("data")), str(p.get("output")))
 
 
 def worker_version(root: Path = ROOT) -> str:
@@ -116,7 +143,7 @@ def worker_options(p: dict, access: S3Access) -> WorkerOptions:
 
 def plan_run(p: dict, log) -> Plan:
     """The plan for the flow's parameters `p` (see flows/extract.py); raises before any launch on bad input."""
-    run = p["run_name"] or default_run_name(p["output"])
+    run = run_name_of(p)
     if p["rerun_depth"] > p["max_reruns"]:
         raise RunIncomplete(f"run {run}: this is automated re-run {p['rerun_depth']}, over max_reruns="
                             f"{p['max_reruns']}: not run. Look at the failures of the earlier runs, then start it "
@@ -139,10 +166,10 @@ def plan_run(p: dict, log) -> Plan:
                 access, p["aws_credentials"], build_bundle(ROOT))
     for s in sorted(capped):
         seen = attempts.get(s)
-        plan.failures[f"shard {s}"] = (
-            f"attempt cap reached: failed {seen.failed_attempts} time(s) (max_attempts={p['max_attempts']}), last on "
-            f"host {seen.last_failed_host or '?'}: {seen.last_error or '?'}; not launched again. Fix the cause, "
-            f"then run with reset_attempts=true")
+        plan.failures[f"shard {s}"] = Failure(
+            seen.last_failed_host, f"attempt cap reached: failed {seen.failed_attempts} time(s) (max_attempts="
+            f"{p['max_attempts']}), last: {seen.last_error or '?'}; not launched again: fix the cause, then run "
+            f"with reset_attempts=true", retryable=False, shard=s, num_shards=num_shards)
     log.info("run %s: %d shard(s) requested, %d already complete, %d at the attempt cap, %d GPU slot(s) on "
              "%d host(s)", run, len(requested), len(already), len(capped), len(inventory.slots), len(inventory.hosts))
     return plan

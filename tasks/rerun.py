@@ -1,23 +1,32 @@
 """The verdict of a run that is not complete, and the request for a re-run of exactly its failed shards.
 
+The verdict is short (flow run state message: what failed, why, in one line per cause, and whether a re-run
+was asked for); the evidence of every failure goes to the markdown artifact `failure-<run>`.
+
 A run that ends with failed shards under the attempt cap emits `extract.run.incomplete` (payload: every
 parameter of the run, `shards` = the ones to re-run, `rerun_depth` + 1); the automation *hsextract: re-run
 incomplete shards* (deployments/qwen.py) starts that run on the same deployment. Events carry the flow run,
-its flow and its deployment as related resources, which is what automations match on.
+its flow and its deployment as related resources, which is what automations match on. Every run ends with
+`extract.run.failed` or `extract.run.complete`, whose resource name is the verdict in a few words.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
 from .board import run_key
+from .failures import Failure, report, same_cause, summary
 from .plan import Plan, RunIncomplete
 
 RERUN_EVENT = "extract.run.incomplete"
 
 
 def related_resources() -> list[dict]:
-    """The flow run, its flow and deployment: what `extract.*` events are related to (automations match these)."""
+    """The flow run, its flow and deployment (with their names: the event feed shows them): what `extract.*`
+    events are related to (automations match these)."""
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
@@ -30,8 +39,18 @@ def related_resources() -> list[dict]:
                 "prefect.resource.name": "extract"}]
     if run.deployment_id:
         related.append({"prefect.resource.id": f"prefect.deployment.{run.deployment_id}",
-                        "prefect.resource.role": "deployment"})
+                        "prefect.resource.role": "deployment", "prefect.resource.name": deployment_name()})
     return related
+
+
+def deployment_name() -> str:
+    """`extract/qwen`: the name of the deployment this flow run came from ("" when the server will not say)."""
+    try:
+        from prefect.runtime import deployment
+
+        return f"extract/{deployment.name}" if deployment.name else ""
+    except Exception:  # a name is a nicety: the id is what automations match
+        return ""
 
 
 def request_rerun(plan: Plan, params: dict, rerun: list[int], capped: list[int], log) -> str:
@@ -55,14 +74,70 @@ def request_rerun(plan: Plan, params: dict, rerun: list[int], capped: list[int],
             + (f"; shard(s) {capped} at the attempt cap" if capped else ""))
 
 
-def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, str], params: dict, log) -> RunIncomplete:
-    """The run's error when shards failed: every failure on its own line (host, shard, what ran, what it
-    printed), after the re-run it asked for."""
+def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure], params: dict, log
+               ) -> RunIncomplete:
+    """The run's error when shards or hosts failed: a short message (what happened, the re-run asked for or
+    why none, one line per cause) and the evidence of every failure in the `failure-<run>` artifact.
+
+    A failure a re-run cannot fix is not retried and burns no attempt: a worker's bad-argument exit, a host's
+    preflight check finding the inputs unusable, and the same worker error on every shard this run launched
+    (none of them done)."""
+    launched = [f for f in failures.values() if f.shard is not None and f.shard in plan.todo]
+    if failures and same_cause(launched) and not any(v == "done" for v in shards.values()):
+        plan.attempts.forgive([f.shard for f in launched if f.retryable])
+        failures = {k: replace(f, retryable=False) if f in launched else f for k, f in failures.items()}
     failed = [s for s in plan.requested if shards[str(s)] not in ("done", "done (already complete)")]
-    rerun = [s for s in failed if plan.attempts.get(s).failed_attempts < params["max_attempts"]]
-    note = request_rerun(plan, params, rerun, sorted(set(failed) - set(rerun)), log)
-    text = "\n".join(f"- {where}: {why}" for where, why in sorted(failures.items()))
-    return RunIncomplete(f"run {plan.run}: {len(failures)} failure(s), shards {shards}; {note}:\n{text}")
+    mistakes = sorted({f.shard for f in failures.values() if f.shard is not None and not f.retryable} & set(failed))
+    rerun = [s for s in failed if s not in mistakes and plan.attempts.get(s).failed_attempts < params["max_attempts"]]
+    capped = sorted(set(failed) - set(rerun) - set(mistakes))
+    fix = ("not retried: a re-run cannot fix this (a bad argument or input, or one error on every shard): fix it, "
+           "then run again")
+    if mistakes and not rerun and not capped:
+        note = fix
+    else:
+        note = request_rerun(plan, params, rerun, capped, log) + (f"; shard(s) {mistakes} {fix}" if mistakes else "")
+    head = f"run {plan.run}: {len(failed)} of {len(plan.requested)} shard(s) failed; {note}"
+    if not failed:
+        head = f"run {plan.run}: every shard is done, but {len(failures)} host(s) failed; {note}"
+    return _verdict(plan, head, list(failures.values()), log)
+
+
+def _verdict(plan: Plan, head: str, failures: list[Failure], log) -> RunIncomplete:
+    """RunIncomplete with `head` and one line per cause; the evidence goes to the `failure-<run>` artifact
+    (its address ends the message) and the old-style list of every failure to `details`."""
+    key = f"failure-{run_key(plan.run)}"
+    try:
+        create_markdown_artifact(report(plan.run, head, failures), key=key, description=head[:500])
+        where = f"evidence: artifact {key}" + (f" ({_ui_url()}/artifacts/key/{key})" if _ui_url() else "")
+    except Exception as exc:  # the verdict stands without its artifact; say where the evidence is instead
+        log.warning("run %s: artifact %s not published: %s", plan.run, key, exc)
+        where = "evidence: this run's logs"
+    message = f"{head}\n{summary(failures)}\n{where}"
+    log.error("%s", message)
+    first = summary(failures).split("\n", 1)[0].removeprefix("- ")
+    announce(plan.run, "failed", f"{first}" + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""),
+             {"message": message, "failures": len(failures)})
+    details = "\n".join(f"- {f.where}: {f.evidence or f.why}" for f in failures)
+    return RunIncomplete(message, f"{head}:\n{details}")
+
+
+def announce(run: str, verdict: str, what: str, payload: dict | None = None) -> None:
+    """Event `extract.run.<verdict>` (failed, complete) whose resource name says what happened: the event feed
+    and `prefect deployment run --watch` show it (the watch shows events, not logs)."""
+    try:
+        emit_event(f"extract.run.{verdict}", resource={"prefect.resource.id": f"hsextract.run.{run_key(run)}",
+                                                     "prefect.resource.name": f"{run}: {verdict}: {what}",
+                                                     "hsextract.run": run},
+                   related=related_resources(), payload={"run_name": run, **(payload or {})})
+    except Exception:  # the verdict stands without its event
+        pass
+
+
+def _ui_url() -> str:
+    """The Prefect UI's address, as this process's settings have it ("" when unknown)."""
+    from prefect.settings import get_current_settings
+
+    return (get_current_settings().ui_url or "").rstrip("/")
 
 
 def unreconciled(plan: Plan, checked: dict, params: dict, log) -> RunIncomplete | None:
@@ -72,7 +147,7 @@ def unreconciled(plan: Plan, checked: dict, params: dict, log) -> RunIncomplete 
     if not redo:
         return None
     note = request_rerun(plan, params, redo, [], log)
-    return RunIncomplete(f"run {plan.run}: reconcile found {checked['missing']} sample(s) missing "
-                         f"({checked['missing_objects']} object(s) missing, {checked['corrupt_objects']} corrupt); "
-                         f"re-run shards {checked['shards_to_rerun']} (their journals now say which files were "
-                         f"lost, so a re-run redoes exactly those samples); {note}")
+    head = f"run {plan.run}: reconcile found {checked['missing']} sample(s) missing; {note}"
+    why = (f"{checked['missing_objects']} object(s) missing, {checked['corrupt_objects']} corrupt: the journals now "
+           f"say which files were lost, so a re-run redoes exactly those samples")
+    return _verdict(plan, head, [Failure("", why, shard=s, num_shards=plan.num_shards) for s in redo], log)

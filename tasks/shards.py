@@ -15,18 +15,40 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from hsextract.errors import USAGE_EXIT
 from hsextract.journal import JOURNAL_NAME, shard_dir_name
 from hsextract.options import WorkerOptions
 from hsextract.store.s3 import KEY_ENV
 
 from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, quote
 from .credentials import CREDENTIALS_FILE, load_access
+from .failures import Failure, last_line, one_line
 from .hosts import Host, HostError, Result, connect, tail
 from .inventory import HostSpec, Inventory
 
 
 class ShardFailed(Exception):
-    """A shard ended in a state that is not done; the message names host, shard, what ran, what it said."""
+    """A shard ended in a state that is not done: the message is where and the one line that says why;
+    `evidence` names what ran and what it said; `failure` also says whether a re-run can help."""
+
+    def __init__(self, evidence: str, failure: Failure):
+        super().__init__(evidence, failure)
+
+    def __str__(self) -> str:  # the task's state message: the one line; the evidence is `evidence`
+        return f"{self.failure.where}: {self.failure.why}"
+
+    def __repr__(self) -> str:  # what Prefect's logs show of it
+        return f"ShardFailed: {self}"
+
+    @property
+    def evidence(self) -> str:
+        """What ran on the host and what it printed, the worker log's tail."""
+        return self.args[0]
+
+    @property
+    def failure(self) -> Failure:
+        """The shard's `Failure`: where, the one line that says why, the evidence, retryable."""
+        return self.args[1]
 
 
 @dataclass(frozen=True)
@@ -111,13 +133,24 @@ class Launched:
     seconds: float = 0.0
 
 
-def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Result | None = None) -> ShardFailed:
+def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Result | None = None,
+             code: int | None = None, quote_log: bool = True) -> ShardFailed:
+    """The shard's error: `what` happened, with the command's result and the worker log's tail as evidence.
+    The one-line reason is `what` (with the worker's exit reason in it), or `what` and the last line the
+    command or the log printed (`quote_log`); a worker's bad-argument exit (code 2, see hsextract.errors) is
+    not retryable."""
     parts = [f"{job.label}: {what}"]
+    said = ""
     if result is not None:
         parts.append(result.describe())
+        said = last_line(result.stderr) or last_line(result.stdout)
     if probe is not None:
         parts.append(f"worker log ({job.control_dir}/worker.log) tail:\n{tail(probe.log).strip() or '(empty)'}")
-    return ShardFailed("\n".join(parts))
+        said = last_line(tail(probe.log, 4000)) or said
+    why = what if code is not None or not said or not quote_log else f"{what}; it printed last: {said}"
+    failure = Failure(job.host, one_line(why), "\n".join(parts), retryable=code != USAGE_EXIT, shard=job.shard,
+                      num_shards=job.num_shards)
+    return ShardFailed("\n".join(parts), failure)
 
 
 def probe(host: Host, job: ShardJob, timeout: float) -> Probe:
@@ -172,7 +205,7 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
                         if not state.started_line else f"worker pid {pid} died without an exit status")
             else:
                 what = f"worker pid {pid} exited with code {code}: {state.exit.get('reason')}"
-            raise _failure(job, what + f" (after {elapsed:.1f}s)", state)
+            raise _failure(job, what + f" (after {elapsed:.1f}s)", state, code=code)
         if elapsed > deadlines.launch_timeout_s:
             host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             missing = "STARTED line" if not state.started_line else "heartbeat"
@@ -205,7 +238,8 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
             continue
         last_ok = time.monotonic()
         if state.pid != launched.pid or state.recorded_start != launched.start:
-            raise _failure(job, f"pid {launched.pid} was replaced by another launch (pid {state.pid})", state)
+            raise _failure(job, f"pid {launched.pid} was replaced by another launch (pid {state.pid})", state,
+                           quote_log=False)
         if on_probe is not None:
             on_probe(state.heartbeat, state.heartbeat_age)
         code = _exit_code(state)
@@ -214,18 +248,18 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
                 return state.journal_last["summary"]
             if code == 0:
                 raise _failure(job, "worker exited 0 but its journal has no 'done' entry", state)
-            raise _failure(job, f"worker exited with code {code}: {state.exit.get('reason')}", state)
+            raise _failure(job, f"worker exited with code {code}: {state.exit.get('reason')}", state, code=code)
         if not state.alive:
             what = "a zombie" if state.state == "Z" else "gone"
             raise _failure(job, f"lost: worker pid {launched.pid} is {what} and left no exit status "
-                                f"(killed -9, OOM-killed, or the host rebooted)", state)
+                                f"(killed -9, OOM-killed, or the host rebooted)", state, quote_log=False)
         beat = state.heartbeat or {}
         age = state.heartbeat_age
         if age is None or age > deadlines.stall_timeout_s:
             host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             stopped = " (process is stopped, state T)" if state.state == "T" else ""
             raise _failure(job, f"stalled: no heartbeat for {age or 0:.1f}s{stopped}; killed pid {launched.pid}",
-                           state)
+                           state, quote_log=False)
         # uploads count as progress: over its spool's high-water mark a worker waits for them, rightly
         progress = (beat.get("samples_done"), beat.get("tokens_done"), beat.get("bytes_uploaded"))
         if progress != last_progress:
@@ -234,7 +268,7 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
               and time.monotonic() - progress_at > deadlines.progress_timeout_s):
             host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             raise _failure(job, f"stalled: no progress for {deadlines.progress_timeout_s:.0f}s (no sample finished, "
-                                f"no byte uploaded, phase {beat.get('phase')}); killed", state)
+                                f"no byte uploaded, phase {beat.get('phase')}); killed", state, quote_log=False)
         if log is not None and time.monotonic() - last_log > 30:
             last_log = time.monotonic()
             log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),

@@ -18,22 +18,27 @@ from collections import deque
 from prefect import get_run_logger
 
 from .board import Board
+from .failures import Failure, one_line
 from .plan import Plan
-from .shards import ShardJob, launch, remove_credentials_file, supervise
+from .shards import ShardFailed, ShardJob, launch, remove_credentials_file, supervise
 
 
-def run_shards(plan: Plan, healthy: set[str], board: Board) -> tuple[dict[int, str], dict[str, str]]:
-    """Launch then supervise every shard of `plan.todo` on the slots of the `healthy` hosts.
-    Returns ({shard: "done"}, {"shard N": why it failed})."""
+def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[str, Failure] | None = None
+               ) -> tuple[dict[int, str], dict[str, Failure]]:
+    """Launch then supervise every shard of `plan.todo` on the slots of the `healthy` hosts (`host_failures`:
+    why the others are not). Returns ({shard: "done"}, {"shard N": its Failure})."""
     todo = deque(plan.todo)
     free = deque(slot for slot in plan.slots if slot[0] in healthy)
     if not todo:
         return {}, {}
     if not free:
-        why = "no healthy host to run it on (every host failed its deploy check)"
+        hosts = list((host_failures or {}).values())
+        why = "not launched: no host passed its deploy and preflight checks (see the host lines)"
+        retryable = not hosts or any(f.retryable for f in hosts)  # only mistakes: a re-run cannot help
         for shard in todo:
-            board.set_state(shard, "failed", why)
-        return {}, {f"shard {shard}": why for shard in todo}
+            board.set_state(shard, "failed", why, retryable=retryable)
+        return {}, {f"shard {shard}": Failure("", one_line(why), retryable=retryable, shard=shard,
+                                              num_shards=plan.num_shards) for shard in todo}
     driver = Driver(plan, board, first_wave=min(len(todo), len(free)))
     outcomes, failures = {}, {}
     active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
@@ -52,8 +57,16 @@ def run_shards(plan: Plan, healthy: set[str], board: Board) -> tuple[dict[int, s
                     future.result()
                     outcomes[job.shard] = "done"
                 except Exception as exc:  # the task's own error: host, shard, command, output
-                    failures[f"shard {job.shard}"] = str(exc) or type(exc).__name__
+                    failures[f"shard {job.shard}"] = failure_of(job, exc)
     return outcomes, failures
+
+
+def failure_of(job: ShardJob, exc: Exception) -> Failure:
+    """The shard's `Failure` from its task's error (a ShardFailed carries one; anything else is its text)."""
+    if isinstance(exc, ShardFailed):
+        return exc.failure
+    text = str(exc) or type(exc).__name__
+    return Failure(job.host, one_line(text), f"{job.label}: {text}", shard=job.shard, num_shards=job.num_shards)
 
 
 def take_slot(free: deque, avoid: str) -> tuple[str, int]:
@@ -89,7 +102,10 @@ class Driver:
             board.set_state(job.shard, "done", "complete", samples_done=summary.get("samples_done"))
             return summary
         except Exception as exc:
-            board.set_state(job.shard, "failed", str(exc) or type(exc).__name__)
+            failure = failure_of(job, exc)
+            board.set_state(job.shard, "failed", failure.why, retryable=failure.retryable)
+            self.log.error("%s failed: %s%s", job.label, failure.why,
+                           "" if failure.retryable else " (not retried: a re-run cannot fix this)")
             raise
         finally:
             try:

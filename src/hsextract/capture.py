@@ -7,43 +7,13 @@ is causal, so pad tokens after a sample never change its states, and no attentio
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .errors import UsageError
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What `config.json` says, read without loading weights (used to validate arguments early)."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-
-
-def read_model_info(model_dir: Path) -> ModelInfo:
-    """The model's config.json, read without loading weights; UsageError naming what is missing or wrong."""
-    config_path = model_dir / "config.json"
-    if not model_dir.is_dir():
-        raise UsageError(f"--model {str(model_dir)!r}: no such directory")
-    if not config_path.is_file():
-        raise UsageError(f"--model {str(model_dir)!r}: no config.json in it (is this a model directory?)")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{config_path}: not valid JSON ({exc})") from None
-    text = raw.get("text_config", raw)
-    try:
-        return ModelInfo(raw.get("model_type", "?"), int(text["num_hidden_layers"]),
-                         int(text["hidden_size"]), int(text["vocab_size"]))
-    except KeyError as exc:
-        raise UsageError(f"{config_path}: missing {exc.args[0]!r}") from None
+from .preflight import read_model_info
 
 
 def _decoder_backbone(model: nn.Module) -> nn.Module:

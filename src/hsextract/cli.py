@@ -10,18 +10,22 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .errors import USAGE_EXIT
 from .liveness import Heartbeat, Progress, announce_start
 from .options import WorkerOptions
 from .store.s3 import KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of every subcommand: extract (from WorkerOptions), inspect, make-tiny."""
+    """The parser of every subcommand: extract and check (from WorkerOptions), inspect, make-tiny."""
     parser = argparse.ArgumentParser(prog="hsextract", description="Extract hidden states for drafter training.")
     parser.add_argument("--version", action="version", version=f"hsextract {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     WorkerOptions.add_arguments(sub.add_parser("extract", help="run one shard of an extraction"))
+    WorkerOptions.add_arguments(sub.add_parser(
+        "check", help="check what a shard of these options needs (model config, layers, dataset, output) "
+                      "without loading the model; exit 2 naming the problem"))
 
     inspect = sub.add_parser("inspect", help="count and verify what an output (directory or s3://) holds")
     inspect.add_argument("out", help="output directory, file:// or s3:// URI")
@@ -77,19 +81,19 @@ def _extract(opts: WorkerOptions, capture) -> int:
         opts.check_out()  # the rest is checked by run_shard, which reports a problem in exit.json too
     except ValueError as exc:
         print(f"hsextract: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     heartbeat = Heartbeat(opts.status_path, Progress(opts.shard, opts.num_shards, __version__), opts.heartbeat_interval)
     try:
         opts.status_path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         label = "--status-dir" if opts.status_dir else "--out"
         print(f"hsextract: {label} {str(opts.status_path)!r}: not writable ({exc.strerror or exc})", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     try:
         confined = confine_shard(opts)  # before any thread starts: they inherit it
     except OSError as exc:
         print(f"hsextract: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     print(f"hsextract: shard {opts.shard}/{opts.num_shards}: {confined.describe()}", file=sys.stderr, flush=True)
     heartbeat.progress.confined = confined.active
     heartbeat.progress.phase = "importing"
@@ -104,6 +108,15 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "extract":
         return extract(WorkerOptions.from_args(args), capture)
+    if args.command == "check":
+        from .preflight import preflight
+
+        try:
+            print("CHECK " + json.dumps(preflight(WorkerOptions.from_args(args))), flush=True)
+        except ValueError as exc:
+            print(f"hsextract: {exc}", file=sys.stderr)
+            return USAGE_EXIT
+        return 0
     if args.command == "inspect":
         from .reader import describe_output
 

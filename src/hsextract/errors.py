@@ -1,4 +1,9 @@
-"""Exception types of the worker. User-facing problems are `UsageError` (a `ValueError`)."""
+"""Exception types of the worker, and its exit codes. User-facing problems are `UsageError` (a `ValueError`).
+
+Exit codes of `hsextract extract`: 0 the shard is complete; 2 bad arguments or inputs (`UsageError`: fix
+them, a retry cannot help); 3 the shard ended incomplete; 75 the shard is being written by another process
+(`ShardBusy`: try later); 128 + N stopped by signal N; 1 anything else.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ class UsageError(HsExtractError, ValueError):
     """Bad arguments or inputs, detected before any work: the message names what was wrong."""
 
 
+class ShardBusy(HsExtractError):
+    """Another live process holds the shard's lock: nothing is wrong with the inputs, try again later."""
+
+
 class ShardIncomplete(HsExtractError):
     """The shard ended without every assigned sample written or skipped."""
 
@@ -21,3 +30,7 @@ class Interrupted(HsExtractError):
     def __init__(self, signame: str):
         super().__init__(f"interrupted by {signame}")
         self.signame = signame
+
+
+USAGE_EXIT = 2
+BUSY_EXIT = 75  # EX_TEMPFAIL

@@ -18,13 +18,14 @@ import torch
 from . import __version__
 from .batchfile import Unsealed, build_payload, write_unsealed
 from .batching import pack, padded_tokens
-from .capture import LayerCapture, read_model_info, resolve_device, resolve_dtype
+from .capture import LayerCapture, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
-from .errors import Interrupted, ShardIncomplete, UsageError
+from .errors import BUSY_EXIT, USAGE_EXIT, Interrupted, ShardBusy, ShardIncomplete, UsageError
 from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, write_json_atomic
 from .options import WorkerOptions
+from .preflight import read_model_info
 from .records import Bad, Record, iter_records
 from .sharding import shard_of
 from .quant import FP8_ENCODING, SCALE_KEY, quantize
@@ -66,7 +67,7 @@ class ShardRun:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "another process"
-            raise UsageError(f"shard {self.opts.shard}/{self.opts.num_shards}: {self.opts.shard_dir} is "
+            raise ShardBusy(f"shard {self.opts.shard}/{self.opts.num_shards}: {self.opts.shard_dir} is "
                              f"already being written by pid {holder}") from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
@@ -401,7 +402,9 @@ def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=N
         reporter.close()
         print("SUMMARY " + json.dumps(summary), flush=True)
     except UsageError as exc:
-        code, reason = 2, f"usage: {exc}"
+        code, reason = USAGE_EXIT, f"usage: {exc}"
+    except ShardBusy as exc:
+        code, reason = BUSY_EXIT, f"busy: {exc}"
     except Interrupted as exc:
         code, reason = 128 + signal.Signals[exc.signame].value, str(exc)
     except ShardIncomplete as exc:

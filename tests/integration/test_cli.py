@@ -100,7 +100,7 @@ def test_second_writer_of_a_shard_is_refused(tiny_model, dataset, tmp_path):
     second = run_extract(tiny_model, dataset, out, 0, 1)
     first.communicate(timeout=120)
     assert first.returncode == 0
-    assert second.returncode == 2
+    assert second.returncode == 75, "busy, not a usage error: trying later can work"
     assert f"already being written by pid {first.pid}" in second.stderr
 
 

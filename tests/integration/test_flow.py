@@ -93,7 +93,7 @@ def test_reconcile_seals_the_run_and_a_lost_object_is_redone(prefect_server, tin
     state = run_flow(**kwargs)
     assert state.is_failed()
     message = str(pytest.raises(Exception, state.result).value)
-    assert f"reconcile found {len(lost['ids'])} sample(s) missing" in message and "re-run shards [1]" in message
+    assert f"reconcile found {len(lost['ids'])} sample(s) missing" in message and "re-run of shard(s) [1] requested" in message
     state = run_flow(**kwargs)
     assert state.is_completed(), state.message
     rec = state.result()["reconcile"]
@@ -128,7 +128,8 @@ def test_unhealthy_host_skipped_for_healthy_one(prefect_server, farm, tiny_model
     assert state.is_failed(), "the broken host is reported even though its shards ran elsewhere"
     message = str(pytest.raises(Exception, state.result).value)
     assert "host h1" in message and "/nonexistent/python3" in message
-    assert "1 failure(s)" in message and "\n- shard" not in message, "no shard failed: both ran on h2"
+    assert "every shard is done, but 1 host(s) failed" in message and "\n- shard" not in message, \
+        "no shard failed: both ran on h2"
     assert len(list(hsextract.read_samples(tmp_path / "out"))) == 160
 
 

@@ -153,7 +153,8 @@ def test_s3_object_deleted_is_reported_then_restored_by_the_rerun(farm, tiny_mod
     state = extract(return_state=True, **kwargs)
     assert state.is_failed()
     message = str(pytest.raises(Exception, state.result).value)
-    assert f"reconcile found {len(lost['ids'])} sample(s) missing" in message and "re-run shards [1]" in message
+    assert f"reconcile found {len(lost['ids'])} sample(s) missing" in message
+    assert "re-run of shard(s) [1] requested" in message
 
     state = extract(return_state=True, **kwargs)
     assert state.is_completed(), state.message

@@ -203,12 +203,12 @@ def test_deploy_failures_name_host_and_cause(env, farm, tmp_path):
         inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
         with connect(inventory.hosts[0], inventory) as host, pytest.raises(DeployFailed) as failed:
             deploy_host(host, env["bundle"], "0.1.0", timeout=30)
-        message = str(failed.value)
-        assert "host lo" in message, (case, message)
+        message = failed.value.evidence
+        assert str(failed.value).startswith("host lo: "), (case, str(failed.value))
         if case == "put fails":
             assert "uploading the bundle" in message
         elif case == "prints nothing":
-            assert "did not prove it" in message and "BUNDLE" in message
+            assert "did not prove the bundle" in message and "BUNDLE" in message
         else:
             assert "/nonexistent/python3" in message and re.search(r"not found|No such file", message)
 

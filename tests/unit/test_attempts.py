@@ -7,7 +7,8 @@ import logging
 import threading
 
 from hsextract.store import LocalStore
-from tasks.attempts import ERROR_CHARS, AttemptRecord
+from tasks.attempts import AttemptRecord
+from tasks.failures import WHY_CHARS
 
 
 def test_failures_and_endings_are_written_beside_the_journals_and_read_by_the_next_run(tmp_path):
@@ -20,7 +21,7 @@ def test_failures_and_endings_are_written_beside_the_journals_and_read_by_the_ne
     again = AttemptRecord(store, "r1", 4)
     seen = again.get(2)
     assert seen.failed_attempts == 1 and seen.last_failed_host == "gpu-a" and seen.last["state"] == "failed"
-    assert seen.last_error.startswith("line one | line two") and len(seen.last_error) == ERROR_CHARS
+    assert seen.last_error.startswith("line one | line two") and len(seen.last_error) == WHY_CHARS
     assert again.known() == [2] and again.get(0).failed_attempts == 0
     assert AttemptRecord(store, "r1", 8).known() == [], "shard 2 of 4 is not shard 2 of 8"
     assert AttemptRecord(store, "other", 4).known() == [], "one record per run name"

@@ -193,7 +193,7 @@ def wrong_bundle(lab: Lab, case: Case) -> Outcome:
             deploy_host(host, altered, "0.1.0", timeout=30)
         seen = "Completed"
     except DeployFailed as exc:
-        seen = f"Failed: {' '.join(str(exc).split())}"
+        seen = f"Failed: {' '.join(exc.evidence.split())}"
     seconds = time.monotonic() - began
     unpacked = (case.workdir("h1") / "bundles" / bundle.sha256).exists()
     return case.finish(seen, seconds, {"hosts": case.inventory(tag="fixed")}, case.local_out(),

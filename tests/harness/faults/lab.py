@@ -224,7 +224,8 @@ def reason(state) -> str:
     try:
         state.result()
     except BaseException as exc:  # noqa: BLE001 - the run's own error is the reason
-        text = str(exc)  # RunIncomplete: "run R: N failure(s), ...:\n- where: why\n- ...": the whys
+        # RunIncomplete's details: "run R: N of M shard(s) failed; ...:\n- where: evidence\n- ...": the evidence
+        text = getattr(exc, "details", "") or str(exc)
         return " ".join((text.split(":\n- ", 1)[1].replace("\n- ", " | ") if ":\n- " in text else text).split())
     return state.message or state.name
 
