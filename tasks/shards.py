@@ -187,7 +187,8 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
                 f"launch failed: cannot create the worker log {job.control_dir}/worker.log (not a writable file)"
                 if said.startswith("LOG UNWRITABLE") else
                 "launch failed: another launch of this shard held its launch lock for 30s"
-                if said.startswith("LOCK BUSY") else "launch failed")
+                if said.startswith("LOCK BUSY") else f"launch refused: worker pid {said[5:]}"
+                if said.startswith("BUSY ") else "launch failed")
         raise _failure(job, what, result=result)
     # no start time: the process was gone before the launcher could read /proc; the probe says why
     pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"

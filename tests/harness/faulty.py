@@ -6,6 +6,7 @@ runs `hsextract.cli.main` with a `capture` (the worker's seam for the model) who
   HSX_HOLD_WHILE=PATH        before each forward pass, wait while PATH exists: a shard held alive and
                              heartbeating, mid-run, for as long as a test needs
   HSX_OOM_ABOVE_TOKENS=N     a forward pass over more than N padded tokens raises torch.OutOfMemoryError
+  HSX_FAIL_WITH=TEXT         every forward pass raises RuntimeError(TEXT): a bug that fails every shard alike
 `python_for(path, env)` writes an interpreter that passes deploy's checks and runs this when asked to extract.
 """
 
@@ -18,10 +19,11 @@ from pathlib import Path
 
 HOLD_WHILE = "HSX_HOLD_WHILE"
 OOM_ABOVE_TOKENS = "HSX_OOM_ABOVE_TOKENS"
+FAIL_WITH = "HSX_FAIL_WITH"
 
 
 def faulty_capture(*args, **kwargs):
-    """A `LayerCapture` whose `run` holds or runs out of memory as the environment says."""
+    """A `LayerCapture` whose `run` holds, runs out of memory or fails as the environment says."""
     import torch
 
     from hsextract.capture import LayerCapture
@@ -30,6 +32,8 @@ def faulty_capture(*args, **kwargs):
         def run(self, input_ids: list[list[int]]):
             while os.environ.get(HOLD_WHILE) and os.path.exists(os.environ[HOLD_WHILE]):
                 time.sleep(0.1)
+            if os.environ.get(FAIL_WITH):
+                raise RuntimeError(os.environ[FAIL_WITH])
             limit = os.environ.get(OOM_ABOVE_TOKENS)
             padded = max(len(ids) for ids in input_ids) * len(input_ids)
             if limit is not None and padded > int(limit):

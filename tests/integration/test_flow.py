@@ -171,3 +171,47 @@ def test_a_shard_goes_elsewhere_than_the_host_it_last_failed_on(prefect_server, 
 
     row = shard_table("placed")[0]
     assert row["host"] == "good" and row["failed_attempts"] == 1 and row["last_failed_host"] == "bad"
+
+
+def _attempts(out) -> dict:
+    import json
+
+    return {name: entry["failed_attempts"] for name, entry in
+            json.loads((out / "_runs" / "mistake" / "attempts.json").read_text()).items()}
+
+
+def test_a_bad_input_or_one_error_on_every_shard_is_not_retried(prefect_server, tiny_model, data, tmp_path):
+    """A worker's exit 2 (weights missing) and one worker error on every shard: the run fails with a short
+    message saying so, asks for no re-run and counts no attempt; a lost worker is still retried."""
+    import shutil
+
+    from harness import faulty
+    from harness.prefect import run_events
+
+    def hosts(python: str = sys.executable):
+        return str(write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0, 1],
+                                                              "workdir": str(tmp_path / "w"), "python": python}]))
+
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model, broken)
+    sorted(broken.glob("*.safetensors"))[-1].unlink()  # the config is fine: the preflight passes, the load fails
+    for name, model, python, why in (
+            ("weights", broken, sys.executable, "exited with code 2: usage: --model"),
+            ("same", tiny_model, faulty.python_for(tmp_path / "python", {faulty.FAIL_WITH: "checkpoint format 7 "
+                                                                         "is not supported"}),
+             "exited with code 1: RuntimeError: checkpoint format 7 is not supported")):
+        out = tmp_path / f"out-{name}"
+        state = run_flow(model=str(broken if model is broken else model), data=str(data), output=f"file://{out}",
+                         hosts=hosts(python), layers="1,3", run_name="mistake")
+        assert state.is_failed()
+        message = state.message
+        assert message.startswith("run mistake: 2 of 2 shard(s) failed; not retried: a re-run cannot fix this"), message
+        assert "- shards 0-1 of 2 on local: worker" in message and why in message and message.count(why) == 1, message
+        assert "evidence: artifact failure-mistake" in message and len(message.splitlines()) == 3, message
+        assert _attempts(out) == {"shard-00000-of-00002": 0, "shard-00001-of-00002": 0}, "no attempt burned"
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert not run_events(client, "extract.run.incomplete", "mistake"), "no re-run asked for"
+        failed = run_events(client, "extract.run.failed", "mistake")
+    assert failed and "not supported" in failed[-1].resource["prefect.resource.name"]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +90,28 @@ def test_waits_for_started_and_the_first_heartbeat_then_a_second_launch_adopts(t
         pid = first.stdout.split()[1]
         second = launch(control, "--", recorder, env={"BEHAVE": "live"})
         assert second.returncode == 0 and second.stdout.split()[:2] == ["ADOPT", pid], second
+    finally:
+        subprocess.run(["kill", "-9", (control / "pid").read_text().strip()])
+
+
+def test_a_live_worker_launched_with_other_arguments_is_not_adopted(tmp_path, recorder):
+    """Seen in a test: a run of the same run name with another model adopted the worker of the earlier run
+    (still finishing, its exit status written) and took that worker's verdict for its own."""
+    control = tmp_path / "control"
+    first = launch(control, "--", recorder, "--model", "/a", env={"BEHAVE": "live"}, ticks=100)
+    pid = first.stdout.split()[1]
+    try:
+        assert launch(control, "--", recorder, "--model", "/a", env={"BEHAVE": "live"}).stdout.startswith("ADOPT")
+        began = time.monotonic()
+        other = launch(control, "--", recorder, "--model", "/b", env={"BEHAVE": "live"})
+        assert other.returncode == 75 and other.stdout.startswith(f"BUSY {pid}: ") and "run_name" in other.stdout
+        assert time.monotonic() - began < 5, "no exit status: it is not finishing, so no wait"
+        (control / "exit.json").write_text('{"code": 2}')  # finishing: the next launch waits for its end
+        (control / "seen.json").unlink()
+        threading.Timer(1.0, lambda: subprocess.run(["kill", "-9", pid])).start()
+        after = launch(control, "--", recorder, "--model", "/b", env={"BEHAVE": "live"}, ticks=100)
+        assert after.stdout.startswith("LAUNCHED ") and seen(control)["argv"][-1] == "/b", after
+        assert not (control / "exit.json").exists(), "the old worker's verdict is gone"
     finally:
         subprocess.run(["kill", "-9", (control / "pid").read_text().strip()])
 
