@@ -2,9 +2,10 @@
 
 - `status-<run>`, the run-level status a person reads first (markdown, tasks/runstatus.py): whole-run
   progress (samples and tokens done / total, rate, ETA), shards by state, and each failed shard's reason;
-- `shards-<run>`, the shard table: state, samples, host, GPU, failed attempts and the last error (short),
-  tokens/s, heartbeat age, files and MB written (and uploaded, with an s3:// output), pid, for every shard
-  of the run (a shard this run does not touch shows the row the attempt record kept of it);
+- `shards-<run>`, the shard table: state, samples, host, GPU, failed attempts, the last error (short) and
+  the last failing host (when any shard failed), tokens/s, heartbeat age, files and MB written (and
+  uploaded, with an s3:// output), for every shard of the run (a shard this run does not touch shows the
+  row the attempt record kept of it);
 - one progress artifact per shard (samples done / total, from the heartbeats);
 - an event on every shard state change, `extract.shard.<state>`, whose resource name says shard, host, state
   and the reason or samples (what the event feed shows), with the run's flow run, flow and deployment related.
@@ -86,7 +87,7 @@ class Row:
                 "host": self.host, "gpu": self.gpu, "tokens_per_s": round(self.tokens_per_s),
                 "heartbeat_age_s": None if self.heartbeat_age_s is None else round(self.heartbeat_age_s, 1),
                 "files": self.files, "mb": round(self.bytes / 1e6, 1), "files_uploaded": self.files_uploaded,
-                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1), "pid": self.pid}
+                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1)}
 
     def counts(self) -> dict:
         """What the run's totals add up."""
@@ -95,6 +96,7 @@ class Row:
 
 
 UPLOAD_COLUMNS = ("files_uploaded", "mb_uploaded")
+ATTEMPT_COLUMNS = ("failed_attempts", "last_error", "last_failed_host")
 
 
 @dataclass
@@ -139,12 +141,12 @@ class Board:
             if state == "done" and payload.get("samples_done") is not None:
                 row.samples_done = max(row.samples_done, int(payload["samples_done"]))
                 row.samples_total = row.samples_total or row.samples_done
-            snapshot = row.table()
+            snapshot, pid = row.table(), row.pid
         if state == "failed":
             self.attempts.failed(shard, snapshot["host"], reason, count=retryable)
         if state in SETTLED:
             self.attempts.ended(shard, snapshot)
-        self._emit(state, self._with_attempts(snapshot), reason, payload)
+        self._emit(state, self._with_attempts(snapshot), reason, {**payload, "pid": pid})
         if state in ("done", "complete") and self.rows[shard].progress_id is not None:
             self._progress(self.rows[shard], force=True)
         self._dirty.set()
@@ -221,7 +223,10 @@ class Board:
             last = self.attempts.get(shard).last
             if shard not in rows and last:
                 rows[shard] = last
-        return [self._with_attempts(rows[s]) for s in sorted(rows)]
+        table = [self._with_attempts(rows[s]) for s in sorted(rows)]
+        if not any(r["failed_attempts"] or r["last_error"] for r in table):  # nothing failed: no empty columns
+            table = [{k: v for k, v in r.items() if k not in ATTEMPT_COLUMNS} for r in table]
+        return table
 
     def status(self) -> str:
         """The markdown of the run's status (whole-run progress first)."""
@@ -277,7 +282,8 @@ class Board:
                     "hsextract.host": row["host"] or "", "hsextract.state": state,
                     "hsextract.samples": row["samples"], "hsextract.reason": one_line(reason, 200)}
         body = {"run_name": self.run, "shard": row["shard"], "num_shards": self.num_shards, "host": row["host"],
-                "gpu": row["gpu"], "pid": row["pid"], "reason": reason, "failed_attempts": row["failed_attempts"],
+                "gpu": row["gpu"], "pid": payload.get("pid"), "reason": reason,
+                "failed_attempts": self.attempts.get(row["shard"]).failed_attempts,
                 "samples": row["samples"], **{k: v for k, v in payload.items() if k not in ("host", "gpu", "pid")}}
         try:
             emit_event(f"{EVENT_PREFIX}{state}", resource=resource, related=self.related, payload=body)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 WHY_CHARS = 240
 #: reason lines in a state message; the rest are counted, and the artifact has every one
 MAX_LINES = 8
+#: how the reason of a shard that no host could take begins (the hosts' failures say why)
+NOT_LAUNCHED = "not launched: no host passed"
 
 
 def one_line(text: str, limit: int = WHY_CHARS) -> str:

@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
 from .board import run_key
-from .failures import Failure, report, same_cause, summary
+from .failures import NOT_LAUNCHED, Failure, report, same_cause, summary
 from .plan import Plan, RunIncomplete
 
 RERUN_EVENT = "extract.run.incomplete"
@@ -90,8 +90,7 @@ def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure],
     mistakes = sorted({f.shard for f in failures.values() if f.shard is not None and not f.retryable} & set(failed))
     rerun = [s for s in failed if s not in mistakes and plan.attempts.get(s).failed_attempts < params["max_attempts"]]
     capped = sorted(set(failed) - set(rerun) - set(mistakes))
-    fix = ("not retried: a re-run cannot fix this (a bad argument or input, or one error on every shard): fix it, "
-           "then run again")
+    fix = "not retried (a re-run cannot fix this): fix it, then run again"
     if mistakes and not rerun and not capped:
         note = fix
     else:
@@ -112,9 +111,11 @@ def _verdict(plan: Plan, head: str, failures: list[Failure], log) -> RunIncomple
     except Exception as exc:  # the verdict stands without its artifact; say where the evidence is instead
         log.warning("run %s: artifact %s not published: %s", plan.run, key, exc)
         where = "evidence: this run's logs"
-    message = f"{head}\n{summary(failures)}\n{where}"
+    hosts = [f for f in failures if f.shard is None]  # shards no host could take: the host lines say why
+    told = [f for f in failures if not (hosts and f.shard is not None and f.why.startswith(NOT_LAUNCHED))]
+    message = f"{head}\n{summary(told)}\n{where}"
     log.error("%s", message)
-    first = summary(failures).split("\n", 1)[0].removeprefix("- ")
+    first = summary(told).split("\n", 1)[0].removeprefix("- ")
     announce(plan.run, "failed", f"{first}" + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""),
              {"message": message, "failures": len(failures)})
     details = "\n".join(f"- {f.where}: {f.evidence or f.why}" for f in failures)

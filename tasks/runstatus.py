@@ -100,7 +100,7 @@ def render(run: str, num_shards: int, t: Totals, progress: RunProgress, failed: 
              f"| samples | {t.samples_done:,} of {approx}{t.samples_total:,.0f} done ({percent:.1f}%), "
              f"{t.skipped:,} skipped with a reason |" if t.samples_total else
              "| samples | none done yet (a shard's total is known once it started) |",
-             f"| tokens | {human(t.tokens_done)} done of ~{human(tokens_total)} |",
+             f"| tokens | {human(t.tokens_done)} done" + (f" of ~{human(tokens_total)} |" if tokens_total else " |"),
              f"| rate | {samples_s:.1f} samples/s, {human(tokens_s)} tokens/s |",
              f"| ETA | {'-' if verdict else duration(eta)} |",
              f"| elapsed | {duration(time.monotonic() - progress.started)} |",

@@ -18,7 +18,7 @@ from collections import deque
 from prefect import get_run_logger
 
 from .board import Board
-from .failures import Failure, one_line
+from .failures import NOT_LAUNCHED, Failure, one_line
 from .plan import Plan
 from .shards import ShardFailed, ShardJob, launch, remove_credentials_file, supervise
 
@@ -33,7 +33,7 @@ def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[
         return {}, {}
     if not free:
         hosts = list((host_failures or {}).values())
-        why = "not launched: no host passed its deploy and preflight checks (see the host lines)"
+        why = f"{NOT_LAUNCHED} its deploy and preflight checks (see the host lines)"
         retryable = not hosts or any(f.retryable for f in hosts)  # only mistakes: a re-run cannot help
         for shard in todo:
             board.set_state(shard, "failed", why, retryable=retryable)

@@ -46,7 +46,7 @@ def test_a_typo_fails_fast_once_with_a_short_reason(seen):
     message = run["message"]
     assert run["state"] == "FAILED" and run["name"] == "typo" and "run:typo" in run["tags"]
     assert "modle': no such directory" in message and "not retried" in message, message
-    assert "failure-typo" in message and len(message) < 700, (len(message), message)
+    assert "failure-typo" in message and len(message) < 400, (len(message), message)
     assert message.count("no such directory") <= 2, message
     assert "no such directory" in seen["typo_watch"] and seen["typo_rc"] == 1, seen["typo_watch"]
     assert seen["typo_s"] < 120, seen["typo_s"]
