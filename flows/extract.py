@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
-from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
@@ -23,7 +22,7 @@ from tasks.deploy import deploy_hosts
 from tasks.orphans import close_orphans
 from tasks.plan import ROOT, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
-from tasks.rerun import announce, incomplete, related_resources, unreconciled
+from tasks.rerun import completed, failed, incomplete, related_resources, unreconciled
 from tasks.slots import run_shards
 
 __all__ = ["PARAMETERS", "ROOT", "extract"]
@@ -138,21 +137,15 @@ def extract(
     summary = {"run_name": plan.run, "output": output, "num_shards": plan.num_shards,
                "shards": {str(s): outcomes.get(s, "failed") for s in plan.requested}}
     if failures:
-        error = incomplete(plan, summary["shards"], failures, params, log)
-        board.finish("failed", {"why": f"artifact `failure-{run_key(plan.run)}`"})
-        return Failed(message=str(error), data=error)  # the message as is (raising adds a traceback to it)
+        return failed(plan, board, incomplete(plan, summary["shards"], failures, params, log))
     log.info("run %s: all %d requested shard(s) complete", plan.run, len(plan.requested))
     if not (plan.reachable() and Path(data).is_file()):
         log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the orchestrator "
                     "(file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)
-        board.finish("complete (not reconciled)")
-        announce(plan.run, "complete", f"{len(plan.requested)} shard(s) done (not reconciled from here)", summary)
-        return summary
+        return completed(plan, board, summary, f"{len(plan.requested)} shard(s) done (not reconciled from here)")
     summary["reconcile"] = reconcile(plan.store, data, plan.num_shards, verify_checksums,
                                      artifact_key=f"reconcile-{run_key(plan.run)}")
     if error := unreconciled(plan, summary["reconcile"], params, log):
-        board.finish("failed: samples missing", {"why": f"artifact `failure-{run_key(plan.run)}`"})
-        return Failed(message=str(error), data=error)
-    board.finish("complete", {"reconcile": f"artifact `reconcile-{run_key(plan.run)}`"})
-    announce(plan.run, "complete", f"{summary['reconcile']['done']} sample(s) stored and reconciled", summary)
-    return summary
+        return failed(plan, board, error, "failed: samples missing")
+    return completed(plan, board, summary, f"{summary['reconcile']['done']} sample(s) stored and reconciled",
+                     {"reconcile": f"artifact `reconcile-{run_key(plan.run)}`"})

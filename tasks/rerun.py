@@ -16,9 +16,10 @@ from dataclasses import replace
 
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
+from prefect.states import Failed, State
 
 from .board import run_key
-from .failures import NOT_LAUNCHED, Failure, report, same_cause, summary
+from .failures import NOT_LAUNCHED, Failure, grouped, report, same_cause, summary
 from .plan import Plan, RunIncomplete
 
 RERUN_EVENT = "extract.run.incomplete"
@@ -113,13 +114,28 @@ def _verdict(plan: Plan, head: str, failures: list[Failure], log) -> RunIncomple
         where = "evidence: this run's logs"
     hosts = [f for f in failures if f.shard is None]  # shards no host could take: the host lines say why
     told = [f for f in failures if not (hosts and f.shard is not None and f.why.startswith(NOT_LAUNCHED))]
-    message = f"{head}\n{summary(told)}\n{where}"
+    causes = summary(told)
+    message = f"{head}\n{causes}\n{where}"
     log.error("%s", message)
-    first = summary(told).split("\n", 1)[0].removeprefix("- ")
-    announce(plan.run, "failed", f"{first}" + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""),
+    first, more = causes.split("\n")[0].removeprefix("- "), len(grouped(told)) - 1
+    announce(plan.run, "failed", first + (f" (and {more} more cause(s))" if more else ""),
              {"message": message, "failures": len(failures)})
-    details = "\n".join(f"- {f.where}: {f.evidence or f.why}" for f in failures)
+    details = "\n".join(f"- {f.evidence or f'{f.where}: {f.why}'}" for f in failures)
     return RunIncomplete(message, f"{head}:\n{details}")
+
+
+def failed(plan: Plan, board, error: RunIncomplete, verdict: str = "failed") -> State:
+    """End the run Failed with `error`'s short message (returned, not raised: raising adds a traceback to the
+    state message); the status artifact says `verdict` and where the evidence is."""
+    board.finish(verdict, {"why": f"artifact `failure-{run_key(plan.run)}`"})
+    return Failed(message=str(error), data=error)
+
+
+def completed(plan: Plan, board, summary: dict, what: str, links: dict | None = None) -> dict:
+    """End the run Completed with `summary`: the status artifact, and `extract.run.complete` saying `what`."""
+    board.finish("complete" if links else "complete (not reconciled)", links)
+    announce(plan.run, "complete", what, summary)
+    return summary
 
 
 def announce(run: str, verdict: str, what: str, payload: dict | None = None) -> None:

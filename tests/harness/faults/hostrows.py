@@ -167,7 +167,7 @@ def duplicate_launch(lab: Lab, case: Case) -> Outcome:
     hosts = case.inventory()
     first = case.flow_in_thread(output=case.local_out(), hosts=hosts, token_budget=128)
     case.wait_extracting("h1")
-    state, seconds, why = case.flow(output=case.local_out(), hosts=hosts)
+    state, seconds, why = case.flow(output=case.local_out(), hosts=hosts, token_budget=128)  # same options
     first["thread"].join(300)
     both = "Completed" if state.is_completed() and first["state"].is_completed() else \
         f"Failed: second: {why or 'ok'}; first: {first['reason'] or 'ok'}"
