@@ -27,8 +27,9 @@ from tasks.slots import run_shards
 
 __all__ = ["PARAMETERS", "ROOT", "extract"]
 
-LayerSpec = Annotated[str, Field(pattern=r"^\s*(dflash:[1-9]\d*|eagle3|\d+(\s*,\s*\d+)*)\s*$",
-                                  description="dflash:N, eagle3, or layer ids like 1,16,31")]
+LayerSpec = Annotated[str, Field(pattern=r"^\s*(dflash:[1-9]\d*|eagle3|\d+(\s*,\s*\d+)*)(\+last)?\s*$",
+                                  description="dflash:N, eagle3, or layer ids like 1,16,31; +last adds the last "
+                                              "decoder layer (eagle3+last: for speculators)")]
 OutputUri = Annotated[str, Field(pattern=r"^(file:///|/|s3://[^/\s]+)",
                                  description="file:///absolute/path or s3://bucket/prefix")]
 Positive = Annotated[int, Field(ge=1)]

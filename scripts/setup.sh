@@ -25,5 +25,5 @@ fi
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
 fi
-.venv/bin/python -m pip install -qq -e '.[worker,orchestrate,dev]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -qq -e '.[worker,orchestrate,export,dev]' 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c 'import torch, transformers, safetensors, hsextract; import prefect, fabric; print(f"set up: torch {torch.__version__}, transformers {transformers.__version__}, prefect {prefect.__version__}, hsextract {hsextract.__version__}")'

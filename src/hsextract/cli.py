@@ -12,7 +12,7 @@ from pathlib import Path
 from . import __version__
 from .errors import USAGE_EXIT
 from .liveness import Heartbeat, Progress, announce_start
-from .options import WorkerOptions
+from .options import EXPORT_FORMATS, WorkerOptions
 from .store.s3 import KEY_ENV
 
 
@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="count and verify what an output (directory or s3://) holds")
     inspect.add_argument("out", help="output directory, file:// or s3:// URI")
     inspect.add_argument("--verify", action="store_true", help="check every file's sha256 against the journal")
+
+    export = sub.add_parser("export", help="write an output in a drafter trainer's offline layout "
+                                           "(SpecForge DFlash / EAGLE-3, speculators)")
+    export.add_argument("src", help="extraction output: directory, file:// or s3:// URI")
+    export.add_argument("dest", type=Path, help="a new local directory (or one this command left unfinished)")
+    export.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    export.add_argument("--max-length", type=int, default=None,
+                        help="the trainer's max length: samples are cut to it, then judged")
+    export.add_argument("--verify", action="store_true", help="check every file's sha256 against the journal")
 
     tiny = sub.add_parser("make-tiny", help="build a tiny random Qwen3.5 hybrid model and a chat dataset")
     tiny.add_argument("--model", type=Path, required=True, help="directory to save the model and tokenizer in")
@@ -103,6 +112,23 @@ def _extract(opts: WorkerOptions, capture) -> int:
     return run_shard(opts, heartbeat, capture)
 
 
+def export_command(args) -> int:
+    """`hsextract export`: the summary on stdout (also in DEST/export.json); exit 2 naming what is wrong."""
+    from .export import export
+
+    try:
+        summary = export(args.src, args.dest, args.format, args.max_length, args.verify)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"hsextract export: {exc}", file=sys.stderr)
+        return USAGE_EXIT
+    left = ", ".join(f"{n} {why}" for why, n in summary["skipped"].items()) or "none"
+    print(f"exported {summary['exported']} of {summary['samples_in_src']} sample(s) to {args.dest} "
+          f"({summary['format']}); left out: {left}\n"
+          f"trainer layer ids: {summary['trainer_layer_ids']} ({summary['trainer_note']})\n"
+          f"summary: {args.dest / 'export.json'}; every sample's row or reason: {args.dest / 'index.jsonl'}")
+    return 0
+
+
 def main(argv: list[str] | None = None, *, capture=None) -> int:
     """`hsextract` with `argv` (default: the process's); returns the exit code. `capture`: see `run_shard`."""
     args = build_parser().parse_args(argv)
@@ -117,6 +143,8 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
             print(f"hsextract: {exc}", file=sys.stderr)
             return USAGE_EXIT
         return 0
+    if args.command == "export":
+        return export_command(args)
     if args.command == "inspect":
         from .reader import describe_output
 

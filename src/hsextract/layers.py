@@ -25,8 +25,13 @@ def eagle3_layer_ids(num_target_layers: int) -> list[int]:
 
 
 def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
-    """Resolve `dflash:N`, `eagle3` or an explicit `1,16,31` list against a model of `num_layers` layers."""
+    """Resolve `dflash:N`, `eagle3` or an explicit `1,16,31` list against a model of `num_layers` layers;
+    `SPEC+last` adds the last decoder layer (id L-1, before the final norm) after them, unless it is there:
+    `eagle3+last` holds what EAGLE-3 trainers read as aux layers and what speculators reads as the verifier's
+    last layer."""
     text = spec.strip()
+    with_last = text.endswith("+last")
+    text = text.removesuffix("+last")
     if text.startswith("dflash:"):
         count = text.removeprefix("dflash:")
         if not (count.isascii() and count.isdigit()) or int(count) < 1:
@@ -39,7 +44,8 @@ def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
             ids = [int(part) for part in text.split(",")]
         except ValueError:
             raise UsageError(
-                f"--layers {spec!r}: expected dflash:N, eagle3 or a comma-separated list of layer ids"
+                f"--layers {spec!r}: expected dflash:N, eagle3 or a comma-separated list of layer ids, "
+                f"each optionally followed by +last"
             ) from None
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
@@ -49,4 +55,4 @@ def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
         )
     if len(set(ids)) != len(ids):
         raise UsageError(f"--layers {spec!r}: layer ids repeat: {ids}")
-    return ids
+    return ids + [num_layers - 1] if with_last and num_layers - 1 not in ids else ids

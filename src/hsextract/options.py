@@ -21,6 +21,8 @@ from .journal import shard_dir_name
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 OUT_DTYPES = ("auto", "fp8_e4m3")
 OVERLONG_POLICIES = ("truncate", "skip")
+#: `hsextract export --format` (the export contract; hsextract.export writes them)
+EXPORT_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
 UPLOAD_FROM = ("disk", "memory")
 CONFINE_MODES = ("auto", "on", "off")
 PROGRESS_MODES = ("auto", "bar", "log")
@@ -40,7 +42,8 @@ class WorkerOptions:
     data: Path = field(default=None, metadata=option("JSONL dataset", required=True))
     out: str = field(default=None, metadata=option("output: a directory, file:// URI or s3://bucket/prefix",
                                                    required=True))
-    layers: str = field(default=None, metadata=option("dflash:N, eagle3, or a list like 1,16,31", required=True))
+    layers: str = field(default=None, metadata=option(
+        "dflash:N, eagle3, or a list like 1,16,31; SPEC+last adds the last decoder layer", required=True))
     shard: int = field(default=0, metadata=option("this shard's index, 0..num-shards-1", required=True))
     num_shards: int = field(default=1, metadata=option("how many shards the dataset is split into", required=True))
     max_length: int | None = field(default=None, metadata=option("longest sample in tokens (see --overlong)"))

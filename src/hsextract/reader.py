@@ -66,17 +66,24 @@ def read_samples(path_or_uri: str | Path, verify: bool = False, client=None) -> 
 
     `path_or_uri`: an output directory (path or file://), one batch file, or `s3://bucket/prefix` (streamed,
     through `client`, else boto3's default credential chain and $AWS_ENDPOINT_URL)."""
+    for batch, position in sample_positions(path_or_uri, verify, client):
+        yield batch.sample(position)
+
+
+def sample_positions(path_or_uri: str | Path, verify: bool = False, client=None) -> Iterator[tuple[object, int]]:
+    """(batch, position) of every sample `read_samples` yields, in the same order: the batch (a `BatchFile` or
+    `LoadedBatch`: its `metadata` says which layers, model and dtype) is held only while its samples are read."""
     store = open_store(path_or_uri, client)
     single = store.local_path("")
     if single is not None and single.is_file():
         batch = BatchFile(single)
-        yield from (batch.sample(i) for i in range(len(batch)))
+        yield from ((batch, i) for i in range(len(batch)))
         return
     state = _scan(store)
     for shard, entry, batch in _batches(store, _first_copies(state), verify):
         for position, sample_id in enumerate(batch.sample_ids):
             if state.written[sample_id] == (shard, entry["file"]):
-                yield batch.sample(position)
+                yield batch, position
 
 
 def sample_index(path_or_uri: str | Path, verify: bool = False) -> list[tuple[Path, int]]:

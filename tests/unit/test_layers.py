@@ -37,6 +37,9 @@ def test_eagle3_low_mid_high():
         ("1,16,31", [1, 16, 31]),
         ("0,63", [0, 63]),
         (" 31,1 ", [31, 1]),  # surrounding blanks tolerated, order kept as given
+        ("eagle3+last", [1, 31, 60, 63]),  # + the last decoder layer (speculators' verifier slot)
+        ("dflash:5+last", [1, 16, 31, 46, 61, 63]),
+        ("1,63+last", [1, 63]),  # already there: not twice
     ],
 )
 def test_parse_layer_spec_valid(spec, expected):
@@ -57,6 +60,9 @@ def test_parse_layer_spec_valid(spec, expected):
         ("3,100,200", ["'3,100,200'", "[100, 200]"]),
         ("-1,3", ["'-1,3'", "[-1]"]),
         ("dflash:64", ["'dflash:64'", "repeat"]),  # more draft layers than distinct ids
+        ("1,a+last", ["'1,a+last'", "+last"]),
+        ("1,99+last", ["'1,99+last'", "[99]"]),
+        ("last", ["'last'"]),
     ],
 )
 def test_parse_layer_spec_rejects_bad_specs_naming_them(spec, must_mention):
