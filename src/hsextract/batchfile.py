@@ -184,18 +184,20 @@ class BatchFile:
 
 
 class LoadedBatch:
-    """A batch file held in memory (an object read from a store): the same `sample()` as BatchFile."""
+    """A batch file held in memory (an object read from a store): the same `sample()` as BatchFile.
+    `copy=False`: the tensors are views of `data` itself (no copy; they live as long as it does)."""
 
-    def __init__(self, data: bytes, where: str):
+    def __init__(self, data: bytes | bytearray, where: str, copy: bool = True):
         from safetensors.torch import load
 
         header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
+        header = json.loads(bytes(data[8:8 + header_len]))
+        meta = header.pop("__metadata__", None) or {}
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{where}: not an hsextract batch file (format_version={meta.get('format_version')!r})")
         self.metadata = meta
         self.sample_ids: list[str] = json.loads(meta["sample_ids"])
-        self.tensors = load(data)
+        self.tensors = load(bytes(data)) if copy else _views(data, header, 8 + header_len)
         self.cu_seqlens: list[int] = self.tensors["cu_seqlens"].tolist()
 
     def __len__(self) -> int:
@@ -211,3 +213,22 @@ class LoadedBatch:
         if self.metadata.get("hidden_states_encoding") == FP8_ENCODING:
             out["hidden_states"] = dequantize(out["hidden_states"], self.tensors[SCALE_KEY][begin:end])
         return out
+
+
+_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def _views(data, header: dict, base: int) -> dict[str, torch.Tensor]:
+    """The tensors a safetensors header describes, as views of `data` (bytes are read-only: never write)."""
+    import warnings
+
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.frombuffer warns that bytes are not writable
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            dtype = _BY_NAME[entry["dtype"]]
+            flat = (torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=base + begin)
+                    if end > begin else torch.empty(0, dtype=torch.uint8))
+            tensors[name] = flat.view(dtype).reshape(entry["shape"])
+    return tensors

@@ -84,6 +84,10 @@ class Layout:
         """Why the trainer would reject a sample with this (already truncated) loss mask, or None."""
         raise NotImplementedError
 
+    def item(self, sample: dict) -> dict:
+        """`sample` (a reader record) as the trainer's per-sample record, in its key names (tensors copied)."""
+        raise NotImplementedError
+
     def write(self, dest: Path, row: int, sample: dict) -> str:
         """Write `sample` as row `row`; returns its file, relative to dest."""
         raise NotImplementedError
@@ -118,13 +122,13 @@ class SpecForgeDFlash(Layout):
         pairs = loss_mask[:-1].bool() & loss_mask[1:].bool()
         return None if bool(pairs.any()) else "fewer than 2 consecutive supervised tokens"
 
-    def record(self, sample: dict) -> dict:
+    def item(self, sample: dict) -> dict:
         return {"input_ids": _int64(sample["input_ids"]), "loss_mask": _int64(sample["loss_mask"]),
-                "hidden_states": sample["hidden_states"].clone()}
+                "hidden_states": _own(sample["hidden_states"])}
 
     def write(self, dest, row, sample):
         name = f"{row // ROWS_PER_DIR:05d}/{row:09d}.ckpt"
-        _save_atomic(self.record(sample), dest / name)
+        _save_atomic(self.item(sample), dest / name)
         return name
 
 
@@ -145,10 +149,10 @@ class SpecForgeEagle3(SpecForgeDFlash):
             return "no supervised token before the last"
         return None
 
-    def record(self, sample):
+    def item(self, sample):
         aux = self._layers(sample["hidden_states"], self.aux)
         return {"input_ids": _int64(sample["input_ids"]), "loss_mask": _int64(sample["loss_mask"]),
-                "hidden_state": sample["last_hidden_state"].clone().unsqueeze(0),
+                "hidden_state": _own(sample["last_hidden_state"]).unsqueeze(0),
                 "aux_hidden_state": aux.reshape(1, aux.shape[0], -1)}
 
 
@@ -171,6 +175,14 @@ class Speculators(Layout):
         if loss_mask.numel() < 2 or not bool(loss_mask[1:].any()):
             return "no supervised token after the first"
         return None
+
+    def item(self, sample):
+        """What speculators' ArrowDataset hands its collate function for one sample."""
+        states = self._layers(sample["hidden_states"], self.slots)
+        length = states.shape[0]
+        return {"hidden_states": states[:, :-1].flatten(1), "input_ids": _int64(sample["input_ids"]),
+                "verifier_last_hidden_states": states[:, -1].contiguous(), "loss_mask": _int64(sample["loss_mask"]),
+                "lengths": torch.tensor([length]), "position_ids": torch.arange(length)}
 
     def write(self, dest, row, sample):
         from safetensors.torch import save_file
@@ -228,7 +240,14 @@ LAYOUTS = {cls.name: cls for cls in (SpecForgeDFlash, SpecForgeEagle3, Speculato
 
 
 def _int64(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(torch.int64).clone()
+    return _own(tensor.to(torch.int64))
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied only if it is a view of a larger buffer (saved or sent to another process, a view
+    carries its whole batch along)."""
+    whole = tensor.untyped_storage().nbytes()
+    return tensor if whole == tensor.numel() * tensor.element_size() and tensor.is_contiguous() else tensor.clone()
 
 
 def _save_atomic(record: dict, path: Path) -> None:

@@ -8,6 +8,7 @@ any store: a local directory is read in place (each file opened lazily, samples 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,9 +36,11 @@ def _scan(store: Store, checksums: bool = False) -> OutputState:
     return state
 
 
-def _batches(store: Store, files: list[tuple[str, dict]], verify: bool) -> Iterator[tuple[str, dict, object]]:
+def _batches(store: Store, files: list[tuple[str, dict]], verify: bool, ahead: int = 1, views: bool = False
+             ) -> Iterator[tuple[str, dict, object]]:
     """(shard dir, file entry, batch) per file, in order. Local files are opened in place; remote ones are
-    downloaded one ahead, and their size (and with `verify`, sha256) checked against the journal entry."""
+    downloaded `ahead` files ahead, and their size (and with `verify`, sha256) checked against the journal
+    entry (`views`: their tensors are views of the bytes downloaded, not copies: never write to them)."""
     def fetch(item):
         shard, entry = item
         key = f"{shard}/{entry['file']}"
@@ -49,13 +52,14 @@ def _batches(store: Store, files: list[tuple[str, dict]], verify: bool) -> Itera
         data = store.read(key)
         if len(data) != entry["bytes"] or (verify and hashlib.sha256(data).hexdigest() != entry["sha256"]):
             raise ValueError(f"{store.where(key)}: {len(data)} bytes / checksum do not match its journal entry")
-        return LoadedBatch(data, store.where(key))
+        return LoadedBatch(data, store.where(key), copy=not views)
 
-    with ThreadPoolExecutor(1) as pool:
-        ahead = pool.submit(fetch, files[0]) if files else None
+    with ThreadPoolExecutor(max(1, ahead)) as pool:
+        coming = deque(pool.submit(fetch, item) for item in files[:max(1, ahead)])
         for n, (shard, entry) in enumerate(files):
-            batch = ahead.result()
-            ahead = pool.submit(fetch, files[n + 1]) if n + 1 < len(files) else None
+            batch = coming.popleft().result()
+            if n + len(coming) + 1 < len(files):
+                coming.append(pool.submit(fetch, files[n + len(coming) + 1]))
             yield shard, entry, batch
 
 

@@ -213,7 +213,7 @@ def test_what_cannot_be_exported_is_refused_before_writing(tiny_model, data, ext
     assert proc.returncode == 2 and "other settings (format: 'specforge-dflash', not 'speculators')" in proc.stderr
 
 
-def test_an_s3_output_exports_as_it_streams(tiny_model, data, s3, s3_endpoint, tmp_path):
+def test_an_s3_output_exports_and_streams(tiny_model, data, s3, s3_endpoint, tmp_path, monkeypatch):
     client, bucket = s3
     for shard in range(2):
         proc = run_extract(tiny_model, data, f"s3://{bucket}/run", shard, 2, "--dtype", "float32", "--spool",
@@ -228,3 +228,55 @@ def test_an_s3_output_exports_as_it_streams(tiny_model, data, s3, s3_endpoint, t
     for n, sample_id in enumerate(ids):
         record = torch.load(dest / f"{n // 10000:05d}" / f"{n:09d}.ckpt", weights_only=True)
         assert torch.equal(record["hidden_states"], want[sample_id]["hidden_states"]), sample_id
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the stream's readers make their own S3 clients
+    per_rank = stream_ids(f"s3://{bucket}/run", 2, 1, keys="specforge-dflash", shuffle=True)
+    assert sorted(i for ids in per_rank for i in ids) == sorted(want)
+
+
+def stream_ids(source, world_size: int, workers: int, **kwargs) -> list[list[str]]:
+    """The ids each rank's DataLoader (with `workers` worker processes) yields, one list per rank."""
+    from hsextract import HiddenStatesStream
+
+    got = []
+    for rank in range(world_size):
+        stream = HiddenStatesStream(source, rank=rank, world_size=world_size, **kwargs)
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
+        got.append([s["id"] for s in loader])
+    return got
+
+
+def test_the_stream_gives_every_sample_once_per_epoch_across_ranks_and_workers(extracted, reference):
+    from hsextract import HiddenStatesStream
+
+    every = sorted(reference)
+    for world_size, workers in ((1, 0), (2, 2), (3, 1)):
+        per_rank = stream_ids(extracted, world_size, workers)
+        flat = [i for ids in per_rank for i in ids]
+        assert sorted(flat) == every, f"{world_size} rank(s) x {workers} worker(s): each sample exactly once"
+        assert all(per_rank), "every rank got samples"
+    stream = HiddenStatesStream(extracted, shuffle=True, seed=5, rank=0, world_size=1)
+    first = [s["id"] for s in stream]
+    stream.set_epoch(1)
+    second = [s["id"] for s in stream]
+    assert sorted(first) == sorted(second) == every and first != second, "another order, the same samples"
+    stream.set_epoch(0)
+    assert [s["id"] for s in stream] == first, "an epoch's order is fixed by seed and epoch"
+
+
+@pytest.mark.parametrize("fmt", ["specforge-dflash", "speculators"])
+def test_the_stream_yields_what_the_export_would_in_the_trainers_keys(fmt, extracted, reference, tmp_path):
+    from hsextract import HiddenStatesStream
+
+    dest = tmp_path / fmt
+    assert export_cli(extracted, dest, fmt, "--max-length", str(MAX_LEN)).returncode == 0
+    streamed = {s["id"]: s for s in HiddenStatesStream(extracted, keys=fmt, max_length=MAX_LEN, prefetch=3)}
+    assert sorted(streamed) == sorted(rows_of(dest)), "the samples the export kept, no other"
+    for sample_id, got in streamed.items():
+        ref = {k: v[:MAX_LEN] for k, v in reference[sample_id]["layers"].items()}
+        if fmt == "speculators":
+            assert set(got) == {"id", "hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask",
+                                "lengths", "position_ids"}
+            close(got["hidden_states"], torch.cat([ref[k] for k in (1, 3, 4)], -1), sample_id)
+            close(got["verifier_last_hidden_states"], ref[7], sample_id)
+        else:
+            close(got["hidden_states"], torch.cat([ref[k] for k in LAYERS], -1), sample_id)

@@ -60,3 +60,17 @@ def test_unsealed_file_is_not_in_place_until_sealed(tmp_path):
     dropped = write_unsealed(tmp_path / "c.safetensors", build_payload({"x": torch.ones(3)}, {}))
     dropped.abandon()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors"]
+
+
+def test_views_of_a_downloaded_batch_equal_safetensors_load_without_copying():
+    from hsextract.batchfile import LoadedBatch
+
+    tensors = {**every_dtype(), "cu_seqlens": torch.tensor([0, 3], dtype=torch.int64)}
+    data = bytearray(build_payload(tensors, {"sample_ids": '["a"]'}).tobytes())
+    copied, viewed = LoadedBatch(data, "mem"), LoadedBatch(data, "mem", copy=False)
+    assert copied.tensors.keys() == viewed.tensors.keys() == tensors.keys()
+    for name, tensor in copied.tensors.items():
+        got = viewed.tensors[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), name
+    data[-1] ^= 0xFF  # the last byte of the last tensor laid out: only the views see it change
+    assert sum(not torch.equal(viewed.tensors[k], t) for k, t in copied.tensors.items()) == 1, "views of data"
