@@ -44,7 +44,8 @@ def build(out: Path, files: int, tokens_per_file: int, layers: int, hidden: int)
                    "input_ids": torch.randint(0, 1000, (total,), dtype=torch.int32),
                    "loss_mask": torch.ones(total, dtype=torch.uint8),
                    "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)}
-        meta = {"sample_ids": json.dumps(ids), "layer_ids": json.dumps(list(range(1, layers + 1))),
+        # layers 1..n-1 and the model's last one: every format but EAGLE-3 (no final normed state) can use it
+        meta = {"sample_ids": json.dumps(ids), "layer_ids": json.dumps([*range(1, layers), layers + 3]),
                 "model": "synthetic", "hidden_size": str(hidden), "num_model_layers": str(layers + 4),
                 "dtype": "bfloat16", "hsextract_version": "bench"}
         written = write_batch(shard / f"batch-{seq:06d}.safetensors", tensors, meta)
@@ -121,37 +122,73 @@ def main() -> None:
         rows = [measure("local", str(out), read_local, names, file_bytes, args.prefetch)]
         if not args.no_s3:
             rows.append(s3_rows(out, names, file_bytes, args.prefetch))
+        exports = [export_row(out, Path(tmp) / fmt, fmt, file_bytes) for fmt in ("specforge-dflash", "speculators")]
+    print("\n| export | samples | s | MB/s | peak RSS MB |\n|---|---|---|---|---|")
+    for r in exports:
+        print(f"| {r['format']} | {r['exported']} | {r['s']} | {r['mb_per_s']} | {r['peak_rss_mb']} |")
     print("\n| where | files | MB | raw MB/s | stream samples/s | stream MB/s | stream / raw |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['where']} | {r['files']} | {r['file_mb']} | {r['raw_mb_per_s']} | {r['samples_per_s']} | "
               f"{r['stream_mb_per_s']} | {r['ratio']} |")
 
 
+def export_row(out: Path, dest: Path, fmt: str, file_bytes: int) -> dict:
+    """`hsextract export` of the local output as a process of its own: wall time and its peak RSS."""
+    import subprocess
+    import sys
+
+    began, peak_kb = time.perf_counter(), 0
+    child = subprocess.Popen([sys.executable, "-m", "hsextract", "export", str(out), str(dest), "--format", fmt],
+                             stdout=subprocess.DEVNULL)
+    while child.poll() is None:  # VmHWM: the process's own peak (wait4's ru_maxrss counts this one's too, from
+        try:                     # before the exec)
+            status = Path(f"/proc/{child.pid}/status").read_text()
+            peak_kb = max(peak_kb, int(status.split("VmHWM:")[1].split()[0]))
+        except (OSError, IndexError):
+            pass
+        time.sleep(0.05)
+    seconds = time.perf_counter() - began
+    assert child.returncode == 0, f"export {fmt} failed ({child.returncode})"
+    summary = json.loads((dest / "export.json").read_text())
+    row = {"format": fmt, "exported": summary["exported"], "s": round(seconds, 1),
+           "mb_per_s": round(file_bytes / seconds / 1e6), "peak_rss_mb": round(peak_kb / 1024)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def s3_rows(out: Path, names: list[str], file_bytes: int, prefetch: int) -> dict:
+    """The same objects on moto's S3 server, run as a process of its own (as S3 is: not sharing this GIL)."""
+    import base64
+    import subprocess
+    import sys
+
     import boto3
-    from moto.server import ThreadedMotoServer
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    serve = ("import sys, threading\nfrom moto.server import ThreadedMotoServer\n"
+             "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False); s.start()\n"
+             "print('%s %d' % s.get_host_and_port(), flush=True); sys.stdin.read()")
+    server = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
     try:
-        host, port = server.get_host_and_port()
+        host, port = server.stdout.readline().split()
         os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
         client = boto3.client("s3", region_name="us-east-1")
         client.create_bucket(Bucket="bench")
         shard = out / "shard-00000-of-00001"
         for path in sorted(shard.iterdir()):
             body = path.read_bytes()
-            extra = {"ChecksumSHA256": __import__("base64").b64encode(hashlib.sha256(body).digest()).decode()}
-            client.put_object(Bucket="bench", Key=f"run/{shard.name}/{path.name}", Body=body, **extra)
+            client.put_object(Bucket="bench", Key=f"run/{shard.name}/{path.name}", Body=body,
+                              ChecksumSHA256=base64.b64encode(hashlib.sha256(body).digest()).decode())
         key = f"run/{shard.name}/"
         return measure("s3 (moto, loopback)", "s3://bench/run",
                        lambda n: client.get_object(Bucket="bench", Key=key + n)["Body"].read(), names, file_bytes,
                        prefetch)
     finally:
-        server.stop()
+        server.kill()
+        server.wait()
 
 
 if __name__ == "__main__":

@@ -84,8 +84,9 @@ class Layout:
         """Why the trainer would reject a sample with this (already truncated) loss mask, or None."""
         raise NotImplementedError
 
-    def item(self, sample: dict) -> dict:
-        """`sample` (a reader record) as the trainer's per-sample record, in its key names (tensors copied)."""
+    def item(self, sample: dict, own: bool = True) -> dict:
+        """`sample` (a reader record) as the trainer's per-sample record, in its key names; `own`: no tensor
+        is a view of a larger buffer (saved, a view would carry its whole batch along)."""
         raise NotImplementedError
 
     def write(self, dest: Path, row: int, sample: dict) -> str:
@@ -122,9 +123,9 @@ class SpecForgeDFlash(Layout):
         pairs = loss_mask[:-1].bool() & loss_mask[1:].bool()
         return None if bool(pairs.any()) else "fewer than 2 consecutive supervised tokens"
 
-    def item(self, sample: dict) -> dict:
+    def item(self, sample: dict, own: bool = True) -> dict:
         return {"input_ids": _int64(sample["input_ids"]), "loss_mask": _int64(sample["loss_mask"]),
-                "hidden_states": _own(sample["hidden_states"])}
+                "hidden_states": _own(sample["hidden_states"], own)}
 
     def write(self, dest, row, sample):
         name = f"{row // ROWS_PER_DIR:05d}/{row:09d}.ckpt"
@@ -149,10 +150,10 @@ class SpecForgeEagle3(SpecForgeDFlash):
             return "no supervised token before the last"
         return None
 
-    def item(self, sample):
+    def item(self, sample, own=True):
         aux = self._layers(sample["hidden_states"], self.aux)
         return {"input_ids": _int64(sample["input_ids"]), "loss_mask": _int64(sample["loss_mask"]),
-                "hidden_state": _own(sample["last_hidden_state"]).unsqueeze(0),
+                "hidden_state": _own(sample["last_hidden_state"], own).unsqueeze(0),
                 "aux_hidden_state": aux.reshape(1, aux.shape[0], -1)}
 
 
@@ -176,8 +177,9 @@ class Speculators(Layout):
             return "no supervised token after the first"
         return None
 
-    def item(self, sample):
-        """What speculators' ArrowDataset hands its collate function for one sample."""
+    def item(self, sample, own=True):
+        """What speculators' ArrowDataset hands its collate function for one sample (always copies: the
+        stored layers are reordered into its slots)."""
         states = self._layers(sample["hidden_states"], self.slots)
         length = states.shape[0]
         return {"hidden_states": states[:, :-1].flatten(1), "input_ids": _int64(sample["input_ids"]),
@@ -243,9 +245,11 @@ def _int64(tensor: torch.Tensor) -> torch.Tensor:
     return _own(tensor.to(torch.int64))
 
 
-def _own(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, copied only if it is a view of a larger buffer (saved or sent to another process, a view
-    carries its whole batch along)."""
+def _own(tensor: torch.Tensor, own: bool = True) -> torch.Tensor:
+    """`tensor`, copied only if it is a view of a larger buffer (saved, a view carries its whole batch along)
+    and `own` asks for that."""
+    if not own:
+        return tensor
     whole = tensor.untyped_storage().nbytes()
     return tensor if whole == tensor.numel() * tensor.element_size() and tensor.is_contiguous() else tensor.clone()
 

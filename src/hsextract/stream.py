@@ -4,7 +4,11 @@
 (the first copy of every sample, as `read_samples`), optionally shuffles their order and the samples within
 each file with `seed` + epoch, and deals the files round-robin to the `world_size` x `num_workers` readers
 (DataLoader workers of every rank): every sample exactly once per epoch across all of them. Each reader
-fetches `prefetch` files ahead on threads; memory is about `prefetch` + 1 batch files per reader. Samples
+fetches `prefetch` files ahead on threads; memory is about `prefetch` + 1 batch files per reader. A sample's
+tensors are views of its batch (of the file's pages locally, of the downloaded bytes from S3: read-only,
+copy before writing into them), so the one copy is the consumer's (collate, pin, to GPU), and a batch stays
+in memory while any of its samples does (a DataLoader worker moves each batch's storage to shared memory
+once, not each sample). Samples
 come in a trainer's key names (`keys`, the export formats), or as the reader's records (`"hsextract"`);
 with a `max_length` they are cut to it, and with a trainer's keys, those it would reject are left out (as
 `hsextract export` leaves them out).
@@ -71,7 +75,7 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         return [files[i] for i in order[slot::slots]], state
 
     def __iter__(self):
-        from .export import LAYOUTS, Source, _own
+        from .export import LAYOUTS, Source
         from .reader import _batches
         from .store import open_store
 
@@ -89,7 +93,7 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
                 sample = batch.sample(position)
                 if self.max_length is not None:
                     sample = {k: v[:self.max_length] if torch.is_tensor(v) else v for k, v in sample.items()}
-                if layout is None:  # copies: a downloaded batch's bytes are read-only and go with the next file
-                    yield {k: _own(v) if torch.is_tensor(v) else v for k, v in sample.items()}
+                if layout is None:
+                    yield sample
                 elif layout.reject(sample["loss_mask"]) is None:
-                    yield {"id": sample["id"], **layout.item(sample)}
+                    yield {"id": sample["id"], **layout.item(sample, own=False)}
