@@ -343,8 +343,10 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     done = Done.read(dest)
     began, rows, skipped = time.monotonic(), done.rows, Counter(done.skipped)
     bar = _Bar(total, progress)
+    items = _chain(first, positions)
+    del first  # a batch is held only while its samples are written
     with (dest / INDEX).open("a") as index:
-        for batch, position in _chain(first, positions):
+        for batch, position in items:
             sample_id = batch.sample_ids[position]
             bar.step()
             if sample_id in done.ids:
@@ -389,6 +391,7 @@ def _examples(dest: Path, most: int = 20) -> dict[str, list[str]]:
 
 def _chain(first, rest):
     yield first
+    del first
     yield from rest
 
 
