@@ -35,7 +35,7 @@ OutputUri = Annotated[str, Field(pattern=r"^(file:///|/|s3://[^/\s]+)",
 Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
 #: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
-PARAMETERS = ("model", "data", "output", "hosts", "layers", "num_shards", "shards", "run_name", "aws_credentials",
+PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num_shards", "shards", "run_name", "aws_credentials",
               "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb", "token_budget", "device",
               "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s", "poll_interval_s", "host_timeout_s",
               "verify_checksums", "max_attempts", "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s",
@@ -76,6 +76,7 @@ def extract(
     output: OutputUri,
     hosts: Annotated[str, Field(min_length=1)],
     layers: LayerSpec = "dflash:5",
+    include_last: bool = W.include_last,
     num_shards: Positive | None = None,
     shards: list[Annotated[int, Field(ge=0)]] | None = None,
     run_name: Annotated[str, Field(pattern=RUN_NAME_PATTERN, description="letters, digits, . _ - (a directory "

@@ -126,6 +126,7 @@ def worker_options(p: dict, access: S3Access) -> WorkerOptions:
     what `p` asks that the workers cannot do (ValueError naming the parameter)."""
     options = WorkerOptions(
         model=Path(p["model"]), data=Path(p["data"]), out=p["output"], layers=p["layers"], max_length=p["max_length"],
+        include_last=p.get("include_last", False),
         token_budget=p["token_budget"], device=p["device"], dtype=p["dtype"], out_dtype=p["out_dtype"],
         progress="log", confine=p["confine"], heartbeat_interval=p["heartbeat_interval_s"],
         spool_high_gb=p["spool_high_gb"], spool_low_gb=p["spool_low_gb"], upload_from=p["upload_from"],

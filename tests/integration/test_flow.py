@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -55,9 +56,15 @@ def test_local_host_flow(prefect_server, tiny_model, data, tmp_path):
     hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0, 1, 2],
                                                        "workdir": str(tmp_path / "w"), "python": sys.executable}])
     state = run_flow(model=str(tiny_model), data=str(data), output=f"file://{tmp_path / 'out'}", hosts=str(hosts),
-                     layers="eagle3")
+                     layers="eagle3+last", include_last=True)  # what both trainers' exports need, in one run
     assert state.is_completed(), state.message
-    assert len(list(hsextract.read_samples(tmp_path / "out"))) == 160
+    samples = list(hsextract.read_samples(tmp_path / "out"))
+    assert len(samples) == 160 and all(s["hidden_states"].shape[1] == 4 * 64 for s in samples)
+    assert all(s["last_hidden_state"].shape == (s["input_ids"].shape[0], 64) for s in samples)
+    for fmt in ("specforge-eagle3", "speculators"):
+        done = subprocess.run([sys.executable, "-m", "hsextract", "export", str(tmp_path / "out"),
+                               str(tmp_path / fmt), "--format", fmt], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "exported 160 of 160" in done.stdout, done.stderr
 
 
 def test_reconcile_seals_the_run_and_a_lost_object_is_redone(prefect_server, tiny_model, data, tmp_path):
