@@ -8,7 +8,7 @@ the benchmark copies into a preallocated buffer (what a collate or pinning step 
 >= 0.9). Locally both read from the page cache (each is run once to warm it, then measured); S3 is moto's
 server on loopback (`--no-s3` skips it).
 
-    .venv/bin/python benchmarks/stream_read.py [--files 12] [--hidden 1024] [--layers 5]
+    .venv/bin/python benchmarks/stream_read.py [--files 12] [--hidden 1024] [--layers 5] [--workers 2]
 """
 
 from __future__ import annotations
@@ -65,12 +65,15 @@ def raw_read(read_one, names: list[str]) -> tuple[float, int]:
     return time.perf_counter() - began, size
 
 
-def stream_read(uri: str, prefetch: int) -> tuple[float, int, int]:
+def stream_read(uri: str, prefetch: int, workers: int = 0) -> tuple[float, int, int]:
     """Every sample's states copied into one preallocated buffer, as a collate or pinning step does: a
-    local output's records are views of its files' pages, and only a copy reads them."""
+    local output's records are views of its files' pages, and only a copy reads them. `workers`: through a
+    DataLoader with that many worker processes (each batch's storage crosses to this one in shared memory)."""
     began, samples, size = time.perf_counter(), 0, 0
     buffer = torch.empty(0, dtype=torch.bfloat16)
-    for sample in HiddenStatesStream(uri, keys="specforge-dflash", prefetch=prefetch):
+    stream = HiddenStatesStream(uri, keys="specforge-dflash", prefetch=prefetch)
+    source = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers) if workers else stream
+    for sample in source:
         states = sample["hidden_states"].reshape(-1)
         if buffer.numel() < states.numel():
             buffer = torch.empty(states.numel(), dtype=states.dtype)
@@ -80,12 +83,14 @@ def stream_read(uri: str, prefetch: int) -> tuple[float, int, int]:
     return time.perf_counter() - began, samples, size
 
 
-def measure(label: str, uri: str, read_one, names: list[str], file_bytes: int, prefetch: int) -> dict:
+def measure(label: str, uri: str, read_one, names: list[str], file_bytes: int, prefetch: int,
+            workers: int = 0) -> dict:
     raw_read(read_one, names)  # warm (page cache / server)
-    stream_read(uri, prefetch)
+    stream_read(uri, prefetch, workers)
     raw_s, got = raw_read(read_one, names)
     assert got == file_bytes, (got, file_bytes)
-    stream_s, samples, state = stream_read(uri, prefetch)
+    stream_s, samples, state = stream_read(uri, prefetch, workers)
+    label += f", {workers} DataLoader workers" if workers else ""
     row = {"where": label, "files": len(names), "file_mb": round(file_bytes / 1e6, 1),
            "raw_s": round(raw_s, 2), "raw_mb_per_s": round(file_bytes / raw_s / 1e6),
            "stream_s": round(stream_s, 2), "samples_per_s": round(samples / stream_s),
@@ -103,6 +108,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--workers", type=int, default=0, help="also read through a DataLoader with N workers")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hsx-stream-") as tmp:
         out = Path(tmp) / "out"
@@ -120,8 +126,10 @@ def main() -> None:
                 return memoryview(buffer)[:f.readinto(buffer)]
 
         rows = [measure("local", str(out), read_local, names, file_bytes, args.prefetch)]
+        if args.workers:
+            rows.append(measure("local", str(out), read_local, names, file_bytes, args.prefetch, args.workers))
         if not args.no_s3:
-            rows.append(s3_rows(out, names, file_bytes, args.prefetch))
+            rows += s3_rows(out, names, file_bytes, args.prefetch, args.workers)
         exports = [export_row(out, Path(tmp) / fmt, fmt, file_bytes) for fmt in ("specforge-dflash", "speculators")]
     print("\n| export | samples | s | MB/s | peak RSS MB |\n|---|---|---|---|---|")
     for r in exports:
@@ -156,7 +164,7 @@ def export_row(out: Path, dest: Path, fmt: str, file_bytes: int) -> dict:
     return row
 
 
-def s3_rows(out: Path, names: list[str], file_bytes: int, prefetch: int) -> dict:
+def s3_rows(out: Path, names: list[str], file_bytes: int, prefetch: int, workers: int) -> list[dict]:
     """The same objects on moto's S3 server, run as a process of its own (as S3 is: not sharing this GIL)."""
     import base64
     import subprocess
@@ -183,9 +191,12 @@ def s3_rows(out: Path, names: list[str], file_bytes: int, prefetch: int) -> dict
             client.put_object(Bucket="bench", Key=f"run/{shard.name}/{path.name}", Body=body,
                               ChecksumSHA256=base64.b64encode(hashlib.sha256(body).digest()).decode())
         key = f"run/{shard.name}/"
-        return measure("s3 (moto, loopback)", "s3://bench/run",
-                       lambda n: client.get_object(Bucket="bench", Key=key + n)["Body"].read(), names, file_bytes,
-                       prefetch)
+
+        def get(name: str) -> bytes:
+            return client.get_object(Bucket="bench", Key=key + name)["Body"].read()
+
+        return [measure("s3 (moto, loopback)", "s3://bench/run", get, names, file_bytes, prefetch, n)
+                for n in sorted({0, workers})]
     finally:
         server.kill()
         server.wait()

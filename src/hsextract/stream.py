@@ -7,8 +7,8 @@ each file with `seed` + epoch, and deals the files round-robin to the `world_siz
 fetches `prefetch` files ahead on threads; memory is about `prefetch` + 1 batch files per reader. A sample's
 tensors are views of its batch (of the file's pages locally, of the downloaded bytes from S3: read-only,
 copy before writing into them), so the one copy is the consumer's (collate, pin, to GPU), and a batch stays
-in memory while any of its samples does (a DataLoader worker moves each batch's storage to shared memory
-once, not each sample). Samples
+in memory while any of its samples does; in a DataLoader worker each sample is copied once, into shared
+memory, which is how it reaches the training process. Samples
 come in a trainer's key names (`keys`, the export formats), or as the reader's records (`"hsextract"`);
 with a `max_length` they are cut to it, and with a trainer's keys, those it would reject are left out (as
 `hsextract export` leaves them out).
@@ -82,6 +82,7 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         store = open_store(self.uri)  # per reader (a DataLoader worker makes its own S3 client)
         mine, state = self.files(store)
         layout = None
+        out = _to_shared if torch.utils.data.get_worker_info() is not None else (lambda record: record)
         for shard, entry, batch in _batches(store, mine, self.verify, ahead=self.prefetch, views=True):
             if layout is None and self.keys != "hsextract":
                 layout = LAYOUTS[self.keys](Source.of(batch))
@@ -94,6 +95,17 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
                 if self.max_length is not None:
                     sample = {k: v[:self.max_length] if torch.is_tensor(v) else v for k, v in sample.items()}
                 if layout is None:
-                    yield sample
+                    yield out(sample)
                 elif layout.reject(sample["loss_mask"]) is None:
-                    yield {"id": sample["id"], **layout.item(sample, own=False)}
+                    yield out({"id": sample["id"], **layout.item(sample, own=False)})
+
+
+def _to_shared(record: dict) -> dict:
+    """A DataLoader worker's sample: each tensor copied once, straight into shared memory, so that only the
+    sample's own bytes cross to the training process (a view would carry its whole batch across)."""
+    shared = {}
+    for key, value in record.items():
+        if torch.is_tensor(value):
+            value = torch.empty(value.shape, dtype=value.dtype).share_memory_().copy_(value)
+        shared[key] = value
+    return shared
