@@ -2,11 +2,13 @@
 
 A synthetic output of real batch files (bf16 states of `--layers` x `--hidden` per token, lognormal sample
 lengths, `--tokens-per-file` tokens per file, journals as the worker writes them) is read twice: raw (every
-journaled file's bytes, in journal order: `readinto` one reused buffer locally, `get_object().read()` from S3) and through
-`HiddenStatesStream(keys="specforge-dflash")`, which yields each sample as a trainer's record, whose states
-the benchmark copies into a preallocated buffer (what a collate or pinning step does). Figures: samples/s, state bytes/s, and the stream's bytes/s over the raw read's (the issue's goal
->= 0.9). Locally both read from the page cache (each is run once to warm it, then measured); S3 is moto's
-server on loopback (`--no-s3` skips it).
+journaled file's bytes, in journal order: `readinto` one reused buffer locally, `get_object().read()` from S3)
+and through `HiddenStatesStream(keys="specforge-dflash")`, which yields each sample as a trainer's record,
+whose states the benchmark copies into a preallocated buffer (what a collate or pinning step does). Figures:
+samples/s, state bytes/s, and the stream's bytes/s over the raw read's (the issue's goal >= 0.9). Locally both
+read from the page cache (each is run once to warm it, then measured); S3 is moto's server, a process of
+its own on loopback (`--no-s3` skips it). Then `hsextract export` of the local output to specforge-dflash and
+speculators: time, MB/s and peak RSS.
 
     .venv/bin/python benchmarks/stream_read.py [--files 12] [--hidden 1024] [--layers 5] [--workers 2]
 """
@@ -134,7 +136,8 @@ def main() -> None:
     print("\n| export | samples | s | MB/s | peak RSS MB |\n|---|---|---|---|---|")
     for r in exports:
         print(f"| {r['format']} | {r['exported']} | {r['s']} | {r['mb_per_s']} | {r['peak_rss_mb']} |")
-    print("\n| where | files | MB | raw MB/s | stream samples/s | stream MB/s | stream / raw |\n|---|---|---|---|---|---|---|")
+    print("\n| where | files | MB | raw MB/s | stream samples/s | stream MB/s | stream / raw |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['where']} | {r['files']} | {r['file_mb']} | {r['raw_mb_per_s']} | {r['samples_per_s']} | "
               f"{r['stream_mb_per_s']} | {r['ratio']} |")

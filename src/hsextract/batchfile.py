@@ -198,6 +198,7 @@ class LoadedBatch:
         self.metadata = meta
         self.sample_ids: list[str] = json.loads(meta["sample_ids"])
         self.tensors = load(bytes(data)) if copy else _views(data, header, 8 + header_len)
+        self.has_last = "last_hidden_state" in self.tensors
         self.cu_seqlens: list[int] = self.tensors["cu_seqlens"].tolist()
 
     def __len__(self) -> int:

@@ -56,16 +56,12 @@ class Source:
     def of(cls, batch) -> "Source":
         meta = batch.metadata
         return cls(json.loads(meta["layer_ids"]), int(meta["num_model_layers"]), int(meta["hidden_size"]),
-                   _has_last(batch), meta.get("model", ""))
+                   batch.has_last, meta.get("model", ""))
 
     @property
     def last_layer(self) -> int:
         """The last decoder layer's id (its output before the model's final norm)."""
         return self.num_model_layers - 1
-
-
-def _has_last(batch) -> bool:
-    return bool(getattr(batch, "has_last", None) or "last_hidden_state" in getattr(batch, "tensors", {}))
 
 
 class Layout:
@@ -129,7 +125,8 @@ class SpecForgeDFlash(Layout):
 
     def write(self, dest, row, sample):
         name = f"{row // ROWS_PER_DIR:05d}/{row:09d}.ckpt"
-        _save_atomic(self.item(sample), dest / name)
+        record = self.item(sample)
+        _save_atomic(lambda tmp: torch.save(record, tmp), dest / name)  # zip format: SpecForge loads with mmap
         return name
 
 
@@ -193,11 +190,7 @@ class Speculators(Layout):
         tensors = {"token_ids": _int64(sample["input_ids"]),
                    "hidden_states": self._layers(sample["hidden_states"], self.slots),
                    "loss_mask": _int64(sample["loss_mask"])}  # read back by finish(); speculators ignores it
-        path = dest / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        _save_atomic(lambda tmp: save_file(tensors, str(tmp)), dest / name)
         return name
 
     def finish(self, dest, rows):
@@ -241,6 +234,13 @@ class Speculators(Layout):
 LAYOUTS = {cls.name: cls for cls in (SpecForgeDFlash, SpecForgeEagle3, Speculators)}
 
 
+def cut(sample: dict, max_length: int | None) -> dict:
+    """`sample` with every tensor cut to its first `max_length` tokens (as the trainer cuts it)."""
+    if max_length is None:
+        return sample
+    return {k: v[:max_length] if torch.is_tensor(v) else v for k, v in sample.items()}
+
+
 def _int64(tensor: torch.Tensor) -> torch.Tensor:
     return _own(tensor.to(torch.int64))
 
@@ -254,11 +254,11 @@ def _own(tensor: torch.Tensor, own: bool = True) -> torch.Tensor:
     return tensor if whole == tensor.numel() * tensor.element_size() and tensor.is_contiguous() else tensor.clone()
 
 
-def _save_atomic(record: dict, path: Path) -> None:
-    """`torch.save` (the default zip format: SpecForge loads with mmap=True) to a temp name, then rename."""
+def _save_atomic(save, path: Path) -> None:
+    """`save(temp path)`, then rename to `path`: a row's file is whole or absent."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(record, tmp)
+    save(tmp)
     os.replace(tmp, path)
 
 
@@ -302,7 +302,8 @@ def _start(dest: Path, settings: dict) -> bool:
         previous = json.loads(summary.read_text())
         differs = {k: (previous.get(k), v) for k, v in settings.items() if previous.get(k) != v}
         if differs:
-            raise UsageError(f"{dest}: holds an export with other settings ({', '.join(f'{k}: {a!r}, not {b!r}' for k, (a, b) in differs.items())}): use a new DEST")
+            said = ", ".join(f"{k}: {a!r}, not {b!r}" for k, (a, b) in differs.items())
+            raise UsageError(f"{dest}: holds an export with other settings ({said}): use a new DEST")
         return bool(previous.get("complete"))
     if dest.exists() and any(dest.iterdir()):
         raise UsageError(f"{dest}: not empty and not an hsextract export: use a new (or empty) directory")
@@ -352,9 +353,7 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
             if sample_id in done.ids:
                 continue
             _same_source(layout.src, batch, src)
-            sample = batch.sample(position)
-            if max_length is not None:
-                sample = {k: v[:max_length] if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
+            sample = cut(batch.sample(position), max_length)
             why = layout.reject(sample["loss_mask"])
             if why is not None:
                 skipped[why] += 1
@@ -397,7 +396,7 @@ def _chain(first, rest):
 
 def _same_source(src: Source, batch, where: str) -> None:
     """Every batch must hold the layers of the first (a source mixing extractions cannot be exported as one)."""
-    if json.loads(batch.metadata["layer_ids"]) != src.layer_ids or _has_last(batch) != src.has_last:
+    if json.loads(batch.metadata["layer_ids"]) != src.layer_ids or batch.has_last != src.has_last:
         raise UsageError(f"{where}: its batch files hold different layers ({batch.metadata['layer_ids']} vs "
                          f"{src.layer_ids}, or --include-last on some only): export each extraction on its own")
 

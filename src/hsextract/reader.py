@@ -85,9 +85,12 @@ def sample_positions(path_or_uri: str | Path, verify: bool = False, client=None)
         return
     state = _scan(store)
     for shard, entry, batch in _batches(store, _first_copies(state), verify):
-        for position, sample_id in enumerate(batch.sample_ids):
-            if state.written[sample_id] == (shard, entry["file"]):
-                yield batch, position
+        yield from ((batch, position) for position in _first_positions(state, shard, entry, batch))
+
+
+def _first_positions(state: OutputState, shard: str, entry: dict, batch) -> list[int]:
+    """Positions in `batch` (the file `entry` of `shard`) of the samples whose first copy it holds."""
+    return [n for n, sample_id in enumerate(batch.sample_ids) if state.written[sample_id] == (shard, entry["file"])]
 
 
 def sample_index(path_or_uri: str | Path, verify: bool = False) -> list[tuple[Path, int]]:

@@ -75,8 +75,8 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         return [files[i] for i in order[slot::slots]], state
 
     def __iter__(self):
-        from .export import LAYOUTS, Source
-        from .reader import _batches
+        from .export import LAYOUTS, Source, cut
+        from .reader import _batches, _first_positions
         from .store import open_store
 
         store = open_store(self.uri)  # per reader (a DataLoader worker makes its own S3 client)
@@ -87,13 +87,11 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
             if layout is None and self.keys != "hsextract":
                 layout = LAYOUTS[self.keys](Source.of(batch))
                 layout.plan()
-            positions = [n for n, i in enumerate(batch.sample_ids) if state.written[i] == (shard, entry["file"])]
+            positions = _first_positions(state, shard, entry, batch)
             if self.shuffle:
                 random.Random(f"{self.seed}/{self.epoch}/{shard}/{entry['file']}").shuffle(positions)
             for position in positions:
-                sample = batch.sample(position)
-                if self.max_length is not None:
-                    sample = {k: v[:self.max_length] if torch.is_tensor(v) else v for k, v in sample.items()}
+                sample = cut(batch.sample(position), self.max_length)
                 if layout is None:
                     yield out(sample)
                 elif layout.reject(sample["loss_mask"]) is None:
