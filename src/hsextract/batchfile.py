@@ -185,21 +185,31 @@ class BatchFile:
 
 class LoadedBatch:
     """A batch file held in memory (an object read from a store): the same `sample()` as BatchFile.
-    `copy=False`: the tensors are views of `data` itself (no copy; they live as long as it does)."""
+    `copy=False`: the tensors are views of `data` itself (no copy; they live as long as it does). `data` may
+    be a uint8 tensor, whose storage the views then share (`mapped`; or `shared_memory`)."""
 
-    def __init__(self, data: bytes | bytearray, where: str, copy: bool = True):
+    def __init__(self, data: bytes | bytearray | torch.Tensor, where: str, copy: bool = True):
         from safetensors.torch import load
 
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(bytes(data[8:8 + header_len]))
+        raw = data.numpy() if torch.is_tensor(data) else data
+        header_len = int.from_bytes(bytes(raw[:8]), "little")
+        header = json.loads(bytes(raw[8:8 + header_len]))
         meta = header.pop("__metadata__", None) or {}
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{where}: not an hsextract batch file (format_version={meta.get('format_version')!r})")
         self.metadata = meta
         self.sample_ids: list[str] = json.loads(meta["sample_ids"])
-        self.tensors = load(bytes(data)) if copy else _views(data, header, 8 + header_len)
+        self.tensors = load(bytes(raw)) if copy else _views(data, header, 8 + header_len)
         self.has_last = "last_hidden_state" in self.tensors
         self.cu_seqlens: list[int] = self.tensors["cu_seqlens"].tolist()
+        self.data = data if torch.is_tensor(data) else None
+
+    @classmethod
+    def mapped(cls, path: Path) -> "LoadedBatch":
+        """A local file's tensors as views of its pages, mapped copy-on-write (a write stays in this process)."""
+        batch = cls(map_pages(path), str(path), copy=False)
+        batch.path = Path(path)
+        return batch
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -216,11 +226,29 @@ class LoadedBatch:
         return out
 
 
+def shared_memory(size: int) -> torch.Tensor:
+    """`size` bytes of shared memory as a uint8 tensor: its views cross to another process (a DataLoader's)
+    as a handle of that memory, not as bytes."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+
+
+def map_pages(path: str | Path) -> torch.Tensor:
+    """A file's bytes as a uint8 tensor over its pages, mapped copy-on-write (a write stays in this process),
+    the kernel asked to read them ahead."""
+    import mmap
+
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(pages, dtype=torch.uint8)
+
+
 _BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 def _views(data, header: dict, base: int) -> dict[str, torch.Tensor]:
-    """The tensors a safetensors header describes, as views of `data` (bytes are read-only: never write)."""
+    """The tensors a safetensors header describes, as views of `data` (a uint8 tensor, or a buffer: bytes are
+    read-only, never write)."""
     import warnings
 
     tensors = {}
@@ -229,7 +257,10 @@ def _views(data, header: dict, base: int) -> dict[str, torch.Tensor]:
         for name, entry in header.items():
             begin, end = entry["data_offsets"]
             dtype = _BY_NAME[entry["dtype"]]
-            flat = (torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=base + begin)
-                    if end > begin else torch.empty(0, dtype=torch.uint8))
+            if torch.is_tensor(data):
+                flat = data[base + begin:base + end]
+            else:
+                flat = (torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=base + begin)
+                        if end > begin else torch.empty(0, dtype=torch.uint8))
             tensors[name] = flat.view(dtype).reshape(entry["shape"])
     return tensors

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .batchfile import BatchFile, LoadedBatch
+from .batchfile import BatchFile, LoadedBatch, shared_memory
 from .journal import OutputState
 from .store import Store, journal_keys, open_store, scan, sha256_file
 
@@ -36,11 +36,13 @@ def _scan(store: Store, checksums: bool = False) -> OutputState:
     return state
 
 
-def _batches(store: Store, files: list[tuple[str, dict]], verify: bool, ahead: int = 1, views: bool = False
-             ) -> Iterator[tuple[str, dict, object]]:
+def _batches(store: Store, files: list[tuple[str, dict]], verify: bool, ahead: int = 1, views: bool = False,
+             shared: bool = False) -> Iterator[tuple[str, dict, object]]:
     """(shard dir, file entry, batch) per file, in order. Local files are opened in place; remote ones are
     downloaded `ahead` files ahead, and their size (and with `verify`, sha256) checked against the journal
-    entry (`views`: their tensors are views of the bytes downloaded, not copies: never write to them)."""
+    entry (`views`: their tensors are views of the bytes downloaded, not copies: never write to them).
+    `shared`: `LoadedBatch`es whose tensors can cross to another process without a copy (a local file's
+    pages mapped, a download in shared memory)."""
     def fetch(item):
         shard, entry = item
         key = f"{shard}/{entry['file']}"
@@ -48,11 +50,16 @@ def _batches(store: Store, files: list[tuple[str, dict]], verify: bool, ahead: i
         if path is not None:
             if verify and sha256_file(path) != entry["sha256"]:
                 raise ValueError(f"{path}: checksum does not match its journal entry")
-            return BatchFile(path)
-        data = store.read(key)
-        if len(data) != entry["bytes"] or (verify and hashlib.sha256(data).hexdigest() != entry["sha256"]):
-            raise ValueError(f"{store.where(key)}: {len(data)} bytes / checksum do not match its journal entry")
-        return LoadedBatch(data, store.where(key), copy=not views)
+            return LoadedBatch.mapped(path) if shared else BatchFile(path)
+        if shared:  # downloaded straight into shared memory
+            data = shared_memory(entry["bytes"])
+            size = store.read_into(key, raw := data.numpy())
+        else:
+            raw = data = store.read(key)
+            size = len(data)
+        if size != entry["bytes"] or (verify and hashlib.sha256(raw).hexdigest() != entry["sha256"]):
+            raise ValueError(f"{store.where(key)}: {size} bytes / checksum do not match its journal entry")
+        return LoadedBatch(data, store.where(key), copy=not (views or shared))
 
     with ThreadPoolExecutor(max(1, ahead)) as pool:
         coming = deque(pool.submit(fetch, item) for item in files[:max(1, ahead)])

@@ -229,20 +229,39 @@ def test_an_s3_output_exports_and_streams(tiny_model, data, s3, s3_endpoint, tmp
         record = torch.load(dest / f"{n // 10000:05d}" / f"{n:09d}.ckpt", weights_only=True)
         assert torch.equal(record["hidden_states"], want[sample_id]["hidden_states"]), sample_id
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the stream's readers make their own S3 clients
-    per_rank = stream_ids(f"s3://{bucket}/run", 2, 1, keys="specforge-dflash", shuffle=True)
-    assert sorted(i for ids in per_rank for i in ids) == sorted(want)
+    per_rank = stream_records(f"s3://{bucket}/run", 2, 1, keys="specforge-dflash", shuffle=True)
+    assert sorted(r["id"] for records in per_rank for r in records) == sorted(want)
+    for records in per_rank:  # downloaded into shared memory in the worker, mapped here
+        for record in records:
+            assert torch.equal(record["hidden_states"], want[record["id"]]["hidden_states"]), record["id"]
+            assert torch.equal(record["input_ids"], want[record["id"]]["input_ids"].long()), record["id"]
 
 
 def stream_ids(source, world_size: int, workers: int, **kwargs) -> list[list[str]]:
     """The ids each rank's DataLoader (with `workers` worker processes) yields, one list per rank."""
+    return [[s["id"] for s in records] for records in stream_records(source, world_size, workers, **kwargs)]
+
+
+def stream_records(source, world_size: int, workers: int, **kwargs) -> list[list[dict]]:
+    """The records each rank's DataLoader (with `workers` worker processes) yields, one list per rank."""
     from hsextract import HiddenStatesStream
 
     got = []
     for rank in range(world_size):
         stream = HiddenStatesStream(source, rank=rank, world_size=world_size, **kwargs)
-        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
-        got.append([s["id"] for s in loader])
+        got.append(list(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)))
     return got
+
+
+def same_records(got: list[dict], want: list[dict], where: str) -> None:
+    """Records that crossed from DataLoader workers equal those read in this process, key by key."""
+    assert [r["id"] for r in got] == [r["id"] for r in want], where
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys(), (where, a["id"])
+        for key, value in b.items():
+            same = (torch.equal(a[key], value) and a[key].dtype == value.dtype and type(a[key]) is torch.Tensor
+                    if torch.is_tensor(value) else a[key] == value)
+            assert same, (where, a["id"], key)
 
 
 def test_the_stream_gives_every_sample_once_per_epoch_across_ranks_and_workers(extracted, reference):
@@ -261,6 +280,10 @@ def test_the_stream_gives_every_sample_once_per_epoch_across_ranks_and_workers(e
     assert sorted(first) == sorted(second) == every and first != second, "another order, the same samples"
     stream.set_epoch(0)
     assert [s["id"] for s in stream] == first, "an epoch's order is fixed by seed and epoch"
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1, persistent_workers=True)
+    for epoch, expected in ((0, first), (1, second), (0, first)):
+        stream.set_epoch(epoch)
+        assert [s["id"] for s in loader] == expected, f"epoch {epoch} in a persistent DataLoader worker"
 
 
 @pytest.mark.parametrize("fmt", ["specforge-dflash", "speculators"])
@@ -269,7 +292,12 @@ def test_the_stream_yields_what_the_export_would_in_the_trainers_keys(fmt, extra
 
     dest = tmp_path / fmt
     assert export_cli(extracted, dest, fmt, "--max-length", str(MAX_LEN)).returncode == 0
-    streamed = {s["id"]: s for s in HiddenStatesStream(extracted, keys=fmt, max_length=MAX_LEN, prefetch=3)}
+    in_process = list(HiddenStatesStream(extracted, keys=fmt, max_length=MAX_LEN, prefetch=3))
+    streamed = {s["id"]: s for s in in_process}
+    # through DataLoader workers: views of the file's pages, small tensors by value, computed ones (speculators'
+    # stacked layers) in shared memory; the same records whichever way they crossed
+    per_worker = stream_records(extracted, 1, 2, keys=fmt, max_length=MAX_LEN)[0]
+    same_records(sorted(per_worker, key=lambda r: r["id"]), sorted(in_process, key=lambda r: r["id"]), fmt)
     assert sorted(streamed) == sorted(rows_of(dest)), "the samples the export kept, no other"
     for sample_id, got in streamed.items():
         ref = {k: v[:MAX_LEN] for k, v in reference[sample_id]["layers"].items()}

@@ -105,3 +105,17 @@ def test_a_missing_bucket_is_named(s3):
     client, _ = s3
     with pytest.raises(NoSuchBucket, match="hsx-absent-bucket.*does not exist"):
         S3Store("s3://hsx-absent-bucket/run", client).list()
+
+
+def test_read_into_fills_a_buffer_in_place_and_refuses_a_short_one(store):
+    import os
+
+    data = os.urandom((8 << 20) + 12345)  # more than one of S3's read_into steps
+    store.write("shard-00000-of-00001/batch-000001.safetensors", data)
+    buffer = bytearray(len(data) + 7)
+    assert store.read_into("shard-00000-of-00001/batch-000001.safetensors", buffer) == len(data)
+    assert buffer[:len(data)] == data and buffer[len(data):] == bytes(7)
+    with pytest.raises(ValueError, match=f"batch-000001.safetensors: {len(data)} bytes, expected at most 100"):
+        store.read_into("shard-00000-of-00001/batch-000001.safetensors", bytearray(100))
+    with pytest.raises(FileNotFoundError, match="batch-000002"):
+        store.read_into("shard-00000-of-00001/batch-000002.safetensors", buffer)

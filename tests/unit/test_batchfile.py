@@ -74,3 +74,24 @@ def test_views_of_a_downloaded_batch_equal_safetensors_load_without_copying():
         assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), name
     data[-1] ^= 0xFF  # the last byte of the last tensor laid out: only the views see it change
     assert sum(not torch.equal(viewed.tensors[k], t) for k, t in copied.tensors.items()) == 1, "views of data"
+
+
+def test_a_mapped_file_and_shared_memory_give_views_of_one_storage(tmp_path):
+    from hsextract.batchfile import LoadedBatch, shared_memory
+
+    tensors = {**every_dtype(), "cu_seqlens": torch.tensor([0, 3], dtype=torch.int64)}
+    path = tmp_path / "b.safetensors"
+    write_batch(path, tensors, {"sample_ids": '["a"]'})
+    before = path.read_bytes()
+    mapped = LoadedBatch.mapped(path)
+    data = shared_memory(len(before))
+    data.copy_(torch.frombuffer(bytearray(before), dtype=torch.uint8))
+    held = LoadedBatch(data, "shm", copy=False)
+    for batch in (mapped, held):
+        for name, tensor in tensors.items():
+            got = batch.tensors[name]
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+            assert got.untyped_storage().data_ptr() == batch.data.untyped_storage().data_ptr(), "a view, no copy"
+    assert held.tensors["cu_seqlens"].untyped_storage().is_shared()
+    mapped.tensors["cu_seqlens"][0] = 7  # copy-on-write: the file is not changed
+    assert path.read_bytes() == before

@@ -50,6 +50,15 @@ class Store(ABC):
         """The object's bytes; FileNotFoundError when it is absent."""
         return self.read_tagged(key)[0]
 
+    def read_into(self, key: str, buffer) -> int:
+        """The object's bytes written into `buffer` (writable, at least as long); how many there were.
+        ValueError when the object is longer than `buffer`."""
+        data = self.read(key)
+        if len(data) > len(buffer):
+            raise ValueError(f"{self.where(key)}: {len(data)} bytes, expected at most {len(buffer)}")
+        memoryview(buffer).cast("B")[:len(data)] = data
+        return len(data)
+
     @abstractmethod
     def write(self, key: str, data: bytes) -> None:
         """Create or replace `key` with `data`, atomically."""

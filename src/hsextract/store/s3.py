@@ -11,6 +11,7 @@ KEY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "A
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CHUNK = 8 << 20  # read_into's step
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -99,6 +100,24 @@ class S3Store(Store):
     def read_tagged(self, key: str) -> tuple[bytes, str]:
         got = self._call(self.client.get_object, key)
         return got["Body"].read(), got["ETag"]
+
+    def read_into(self, key: str, buffer) -> int:
+        """Streamed into `buffer` in chunks (no copy of the whole object on the way), the checksum S3 holds
+        validated at the end as `read` validates it."""
+        got = self._call(self.client.get_object, key)
+        body, size, view = got["Body"], got["ContentLength"], memoryview(buffer).cast("B")
+        if size > len(view):
+            body.close()
+            raise ValueError(f"{self.where(key)}: {size} bytes, expected at most {len(view)}")
+        done, end = 0, bytearray(1)
+        while done < size:
+            step = body.readinto(view[done:min(size, done + _CHUNK)])
+            if not step:
+                raise OSError(f"{self.where(key)}: the download ended at byte {done} of {size}")
+            done += step
+        if body.readinto(end):  # reading to the end is what validates the checksum
+            raise OSError(f"{self.where(key)}: longer than the {size} bytes its response announced")
+        return done
 
     def write(self, key: str, data: bytes) -> None:
         self._call(self.client.put_object, key, Body=data, ChecksumAlgorithm="SHA256")
