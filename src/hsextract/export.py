@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -39,6 +40,7 @@ from .errors import UsageError
 from .options import EXPORT_FORMATS as FORMATS
 INDEX = "index.jsonl"
 SUMMARY = "export.json"
+SCRATCH = ".partial"  # temp files of a run in progress: cleared when a run starts, removed when it completes
 ROWS_PER_DIR = 10_000  # specforge files: 10,000 per directory, not a million in one
 
 
@@ -126,7 +128,7 @@ class SpecForgeDFlash(Layout):
     def write(self, dest, row, sample):
         name = f"{row // ROWS_PER_DIR:05d}/{row:09d}.ckpt"
         record = self.item(sample)
-        _save_atomic(lambda tmp: torch.save(record, tmp), dest / name)  # zip format: SpecForge loads with mmap
+        _save_atomic(lambda tmp: torch.save(record, tmp), dest, name)  # zip format: SpecForge loads with mmap
         return name
 
 
@@ -190,15 +192,12 @@ class Speculators(Layout):
         tensors = {"token_ids": _int64(sample["input_ids"]),
                    "hidden_states": self._layers(sample["hidden_states"], self.slots),
                    "loss_mask": _int64(sample["loss_mask"])}  # read back by finish(); speculators ignores it
-        _save_atomic(lambda tmp: save_file(tensors, str(tmp)), dest / name)
+        _save_atomic(lambda tmp: save_file(tensors, str(tmp)), dest, name)
         return name
 
     def finish(self, dest, rows):
         """The Arrow dataset (input_ids, loss_mask, seq_len of every row, read back from the rows' files, so
         memory stays bounded) in torch format, and token_freq.pt."""
-        import shutil
-        import tempfile
-
         from safetensors import safe_open
 
         try:
@@ -211,23 +210,21 @@ class Speculators(Layout):
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                       "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                       "seq_len": datasets.Value("int64")})
-        build = Path(tempfile.mkdtemp(prefix=".arrow-build-", dir=dest))
-        try:
-            with ArrowWriter(features=features, path=str(build / "rows.arrow")) as writer:  # rows in batches
-                for row in range(rows):
-                    with safe_open(str(dest / f"hidden_states/hs_{row}.safetensors"), framework="pt") as f:
-                        ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
-                    freq.update(ids[mask.bool()].tolist())
-                    writer.write({"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": len(ids)})
-                writer.finalize()
-            datasets.disable_progress_bars()
-            table = datasets.Dataset.from_file(str(build / "rows.arrow"))
-            table.set_format("torch")  # its loader compares rows with torch.equal
-            table.save_to_disk(str(dest))
-            del table
-        finally:
-            shutil.rmtree(build, ignore_errors=True)
-        torch.save({int(k): int(v) for k, v in freq.items()}, dest / "token_freq.pt")
+        build = dest / SCRATCH / "arrow"
+        build.mkdir()
+        with ArrowWriter(features=features, path=str(build / "rows.arrow")) as writer:  # rows in batches
+            for row in range(rows):
+                with safe_open(str(dest / f"hidden_states/hs_{row}.safetensors"), framework="pt") as f:
+                    ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+                freq.update(ids[mask.bool()].tolist())
+                writer.write({"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": len(ids)})
+            writer.finalize()
+        datasets.disable_progress_bars()
+        table = datasets.Dataset.from_file(str(build / "rows.arrow"))
+        table.set_format("torch")  # its loader compares rows with torch.equal
+        table.save_to_disk(str(dest))
+        del table
+        _save_atomic(lambda tmp: torch.save({int(k): int(v) for k, v in freq.items()}, tmp), dest, "token_freq.pt")
         return {"token_freq": "token_freq.pt", "supervised_tokens": sum(freq.values())}
 
 
@@ -254,10 +251,14 @@ def _own(tensor: torch.Tensor, own: bool = True) -> torch.Tensor:
     return tensor if whole == tensor.numel() * tensor.element_size() and tensor.is_contiguous() else tensor.clone()
 
 
-def _save_atomic(save, path: Path) -> None:
-    """`save(temp path)`, then rename to `path`: a row's file is whole or absent."""
+def _save_atomic(save, dest: Path, name: str) -> None:
+    """`save(a path in DEST's scratch directory)`, then rename to DEST/`name`: a file is whole or absent, and
+    what an interrupted save left (its own temp files too: safetensors makes one beside its target) is in
+    the scratch directory, which each run clears."""
+    path = dest / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    (dest / SCRATCH).mkdir(exist_ok=True)
+    tmp = dest / SCRATCH / f"{path.name}.tmp"
     save(tmp)
     os.replace(tmp, path)
 
@@ -308,8 +309,12 @@ def _start(dest: Path, settings: dict) -> bool:
     if dest.exists() and any(dest.iterdir()):
         raise UsageError(f"{dest}: not empty and not an hsextract export: use a new (or empty) directory")
     dest.mkdir(parents=True, exist_ok=True)
-    summary.write_text(json.dumps({**settings, "complete": False}, indent=1) + "\n")
+    _write_json(dest, SUMMARY, {**settings, "complete": False})
     return False
+
+
+def _write_json(dest: Path, name: str, data: dict) -> None:
+    _save_atomic(lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"), dest, name)
 
 
 def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, verify: bool = False,
@@ -341,6 +346,8 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     facts = layout.plan()  # before anything is written: a source that cannot serve this trainer is refused
     if _start(dest, settings):
         return json.loads((dest / SUMMARY).read_text())
+    if (dest / SCRATCH).exists():
+        shutil.rmtree(dest / SCRATCH)  # what an interrupted run left half-written
     done = Done.read(dest)
     began, rows, skipped = time.monotonic(), done.rows, Counter(done.skipped)
     bar = _Bar(total, progress)
@@ -373,7 +380,8 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     if rows + sum(skipped.values()) != total:
         raise RuntimeError(f"{src}: {rows} exported + {sum(skipped.values())} left out != {total} samples in the "
                            f"source (did it change during the export?)")
-    (dest / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    _write_json(dest, SUMMARY, summary)
+    shutil.rmtree(dest / SCRATCH)
     return summary
 
 

@@ -178,19 +178,49 @@ def test_an_interrupted_export_continues_to_the_same_result(extracted, tmp_path)
                                                 | {"complete": False}))
     proc = export_cli(extracted, cut, "speculators")
     assert proc.returncode == 0, proc.stderr
-    assert (cut / "index.jsonl").read_text() == (whole / "index.jsonl").read_text()
-    from safetensors.torch import load_file
-
-    for path in sorted((whole / "hidden_states").glob("*.safetensors")):
-        again = load_file(cut / "hidden_states" / path.name)
-        assert all(torch.equal(t, again[k]) for k, t in load_file(path).items()), path.name
-    import datasets
-
-    a, b = datasets.load_from_disk(str(whole)), datasets.load_from_disk(str(cut))
-    assert a.to_dict() == b.to_dict() and len(a) == len(rows_of(whole))
-    assert torch.load(cut / "token_freq.pt") == torch.load(whole / "token_freq.pt")
+    same_export(cut, whole)
     again = export_cli(extracted, cut, "speculators")  # a complete export: nothing to do, same summary
     assert again.returncode == 0 and "exported" in again.stdout
+
+
+def test_an_export_killed_again_and_again_ends_as_one_never_killed(extracted, tmp_path):
+    """SIGKILL at several points of a real export (once the index holds 2, 6, then 12 lines), each run
+    continuing the last: the result is the uninterrupted export's."""
+    import signal
+
+    whole, dest = tmp_path / "whole", tmp_path / "killed"
+    assert export_cli(extracted, whole, "speculators").returncode == 0
+    killed = []
+    for at in (2, 6, 12):
+        proc = subprocess.Popen([sys.executable, "-m", "hsextract", "export", str(extracted), str(dest), "--format",
+                                 "speculators"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        index = dest / "index.jsonl"
+        while proc.poll() is None:
+            if index.exists() and index.read_bytes().count(b"\n") >= at:
+                proc.kill()
+                break
+        killed.append(proc.wait() == -signal.SIGKILL and not json.loads((dest / "export.json").read_text())["complete"])
+    assert sum(killed) >= 2, f"killed mid-export: {killed}"
+    proc = export_cli(extracted, dest, "speculators")
+    assert proc.returncode == 0, proc.stderr
+    same_export(dest, whole)
+
+
+def same_export(got: Path, want: Path) -> None:
+    """Two speculators exports hold the same rows, files, Arrow dataset and token frequencies."""
+    import datasets
+    from safetensors.torch import load_file
+
+    assert (got / "index.jsonl").read_text() == (want / "index.jsonl").read_text()
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir()), "no scratch left"
+    assert sorted(p.name for p in (got / "hidden_states").iterdir()) == \
+        sorted(p.name for p in (want / "hidden_states").iterdir()), "no file left over from a killed run"
+    for path in sorted((want / "hidden_states").glob("*.safetensors")):
+        again = load_file(got / "hidden_states" / path.name)
+        assert all(torch.equal(t, again[k]) for k, t in load_file(path).items()), path.name
+    a, b = datasets.load_from_disk(str(want)), datasets.load_from_disk(str(got))
+    assert a.to_dict() == b.to_dict() and len(a) == len(rows_of(want))
+    assert torch.load(got / "token_freq.pt") == torch.load(want / "token_freq.pt")
 
 
 def test_what_cannot_be_exported_is_refused_before_writing(tiny_model, data, extracted, tmp_path):
