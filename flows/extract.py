@@ -17,8 +17,11 @@ from pydantic import Field
 
 from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
 from tasks.board import Board, run_key
+from tasks.cancel import (Cancel, cancel_signals, cancelled, flow_run_label, hold_if_cancelled,
+                          stop_on_cancellation)
 from tasks.commands import RUN_NAME_PATTERN
 from tasks.deploy import deploy_hosts
+from tasks.failures import Failure
 from tasks.orphans import close_orphans
 from tasks.plan import ROOT, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
@@ -35,11 +38,12 @@ OutputUri = Annotated[str, Field(pattern=r"^(file:///|/|s3://[^/\s]+)",
 Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
 #: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
-PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num_shards", "shards", "run_name", "aws_credentials",
-              "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb", "token_budget", "device",
-              "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s", "poll_interval_s", "host_timeout_s",
-              "verify_checksums", "max_attempts", "reset_attempts", "rerun_depth", "max_reruns", "status_interval_s",
-              "progress_timeout_s", "spool_high_gb", "spool_low_gb", "confine")
+PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num_shards", "shards", "run_name",
+              "aws_credentials", "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb",
+              "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s",
+              "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts", "reset_attempts",
+              "rerun_depth", "max_reruns", "status_interval_s", "progress_timeout_s", "spool_high_gb",
+              "spool_low_gb", "confine", "cancel_grace_s")
 
 
 def flow_run_name() -> str:
@@ -69,7 +73,7 @@ def tag_flow_run(run: str) -> None:
 
 
 @flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True,
-      flow_run_name=flow_run_name)
+      flow_run_name=flow_run_name, on_cancellation=[stop_on_cancellation])
 def extract(
     model: Annotated[str, Field(min_length=1)],
     data: Annotated[str, Field(min_length=1)],
@@ -104,6 +108,7 @@ def extract(
     spool_high_gb: Annotated[float, Field(gt=0)] = W.spool_high_gb,
     spool_low_gb: Annotated[float, Field(gt=0)] = W.spool_low_gb,
     confine: Literal[CONFINE_MODES] = W.confine,
+    cancel_grace_s: Annotated[float, Field(ge=0)] = 60.0,
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -116,36 +121,59 @@ def extract(
     GPU, a dead store) is killed as stalled. With an s3:// output a worker's spool waits above
     `spool_high_gb` until uploads bring it under `spool_low_gb`. `confine` ("auto", "on", "off"): each worker
     may write only beneath its own shard's directories (Linux Landlock; "auto" when the host's kernel has it).
+
+    Cancelled (the UI's Cancel, `prefect flow-run cancel`, Ctrl-C or SIGTERM to a direct call), the run stops
+    every worker of its run_name on every host (SIGTERM: the file in flight is finished and journaled; SIGKILL
+    after `cancel_grace_s`, on the host itself) and ends Cancelled; automated re-runs of it are held until a
+    person starts it again, which resumes it (tasks/cancel.py).
     """
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()
-    plan = plan_run(params, log)
-    tag_flow_run(plan.run)
-    close_orphans(plan.run, log)
-    with Board(plan.run, plan.num_shards, plan.requested, plan.attempts, status_interval_s, related_resources(),
-               uploads=plan.options.upload is not None) as board:
-        for shard in sorted(plan.already):
-            board.set_state(shard, "complete", "already complete")
-        for shard in sorted(plan.capped):
-            board.set_state(shard, "capped", plan.failures[f"shard {shard}"].why)
-        checks = replace(plan.options, shard=0, num_shards=plan.num_shards).argv()  # each host checks the inputs
-        healthy, failures = (deploy_hosts(plan.inventory, plan.bundle, worker_version(), checks) if plan.todo
-                             else (set(), {}))
-        for failure in failures.values():
-            board.host_failed(failure.host, failure.why)
-        done, shard_failures = run_shards(plan, healthy, board, failures)
-    failures = {**plan.failures, **failures, **shard_failures}
+    plan = board = cancel = None
+    try:
+        plan = plan_run(params, log)
+        tag_flow_run(plan.run)
+        if (held := hold_if_cancelled(plan, params, log)) is not None:
+            return held
+        close_orphans(plan.run, log)
+        cancel = Cancel(plan.run, plan.inventory, cancel_grace_s, log, by=flow_run_label())
+        with Board(plan.run, plan.num_shards, plan.requested, plan.attempts, status_interval_s, related_resources(),
+                   uploads=plan.options.upload is not None) as board:
+            for shard in sorted(plan.already):
+                board.set_state(shard, "complete", "already complete")
+            for shard in sorted(plan.capped):
+                board.set_state(shard, "capped", plan.failures[f"shard {shard}"].why)
+            checks = replace(plan.options, shard=0, num_shards=plan.num_shards).argv()  # each host checks inputs
+            healthy, failures = (deploy_hosts(plan.inventory, plan.bundle, worker_version(), checks) if plan.todo
+                                 else (set(), {}))
+            for failure in failures.values():
+                board.host_failed(failure.host, failure.why)
+            done, shard_failures = run_shards(plan, healthy, board, failures, cancel)
+        return conclude(plan, board, done, {**plan.failures, **failures, **shard_failures}, params, log)
+    except cancel_signals() as exc:
+        return cancelled(plan, board, cancel, exc, log)
+
+
+def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: dict, log):
+    """The run's verdict once its shards ended: Failed naming every failure (and asking for a re-run where one
+    can help), else the output reconciled against the dataset and Completed."""
+    for shard, outcome in done.items():  # ended on a stop request: named, not retried, no attempt counted
+        if outcome in ("stopped", "cancelled"):
+            failures[f"shard {shard}"] = Failure("", f"{outcome} on purpose (its worker was asked to stop): not "
+                                                     f"re-run until a person starts the run again",
+                                                 retryable=False, shard=shard, num_shards=plan.num_shards)
     outcomes = {**done, **{s: "done (already complete)" for s in plan.already}, **{s: "capped" for s in plan.capped}}
-    summary = {"run_name": plan.run, "output": output, "num_shards": plan.num_shards,
+    summary = {"run_name": plan.run, "output": params["output"], "num_shards": plan.num_shards,
                "shards": {str(s): outcomes.get(s, "failed") for s in plan.requested}}
     if failures:
         return failed(plan, board, incomplete(plan, summary["shards"], failures, params, log))
     log.info("run %s: all %d requested shard(s) complete", plan.run, len(plan.requested))
+    data = params["data"]
     if not (plan.reachable() and Path(data).is_file()):
         log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the orchestrator "
                     "(file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)
         return completed(plan, board, summary, f"{len(plan.requested)} shard(s) done (not reconciled from here)")
-    summary["reconcile"] = reconcile(plan.store, data, plan.num_shards, verify_checksums,
+    summary["reconcile"] = reconcile(plan.store, data, plan.num_shards, params["verify_checksums"],
                                      artifact_key=f"reconcile-{run_key(plan.run)}")
     if error := unreconciled(plan, summary["reconcile"], params, log):
         return failed(plan, board, error, "failed: samples missing")

@@ -127,7 +127,42 @@ def probe_cmd(control: str, journal: str) -> str:
 def kill_cmd(control: str) -> str:
     """SIGKILL the shard's process group, only if pid and start time still match (no reused pid)."""
     return (f"cd {quote(control)} && pid=$(cat pid) && [ \"$({_proc_start('$pid')})\" = \"$(cat pid.start)\" ] && "
-            f"{{ kill -KILL -- -\"$pid\" 2>/dev/null; kill -KILL \"$pid\" 2>/dev/null; echo KILLED; }}")
+            f"{{ kill -KILL -\"$pid\" 2>/dev/null; kill -KILL \"$pid\" 2>/dev/null; echo KILLED; }}")
+
+
+def stop_cmd(workdir: str, run: str, request: dict, grace_s: float, shard_dirs: list[str] | None = None) -> str:
+    """Stop the workers of run `run` on this host (its `shard_dirs`, or every shard dir the run has here):
+    for each one alive as launched (pid and start time match), write `request` as its stop.json, SIGTERM its
+    process group, and leave a detached sleeper on the host that SIGKILLs whatever of them is still that
+    process after `grace_s` and removes its credentials file: the grace holds even if the orchestrator dies.
+    Prints `TERM <shard dir> <pid>` per worker signalled, `IDLE <shard dir>` per one with no live worker."""
+    from .credentials import CREDENTIALS_FILE
+
+    dirs = " ".join(quote(d) for d in shard_dirs) if shard_dirs is not None else "shard-*-of-*"
+    body = json.dumps(request, separators=(",", ":"))
+    # the sleeper's arguments: shard dir:pid:start of each signalled worker
+    escalate = (f"sleep {max(0.0, grace_s):g}; for w in \"$@\"; do d=${{w%%:*}}; r=${{w#*:}}; p=${{r%%:*}}; "
+                f"s=${{r#*:}}; if [ \"$({_proc_start('$p')})\" = \"$s\" ]; then kill -KILL -\"$p\" 2>/dev/null; "
+                f"kill -KILL \"$p\" 2>/dev/null; echo \"KILLED $p after {grace_s:g}s\" >> \"$d/stop.log\"; fi; "
+                f"rm -f \"$d/{CREDENTIALS_FILE}\"; done")
+    return (f"cd {quote(f'{workdir}/runs/{run}')} 2>/dev/null || {{ echo 'NO RUN DIR'; exit 0; }}; "
+            f"set --; for d in {dirs}; do [ -d \"$d\" ] || continue; "
+            f"pid=$(cat \"$d/pid\" 2>/dev/null); start=$(cat \"$d/pid.start\" 2>/dev/null); "
+            f"if [ -n \"$pid\" ] && [ -n \"$start\" ] && [ \"$({_proc_start('$pid')})\" = \"$start\" ]; then "
+            f"printf '%s' {quote(body)} > \"$d/stop.json.tmp\" && mv \"$d/stop.json.tmp\" \"$d/stop.json\"; "
+            f"kill -TERM -\"$pid\" 2>/dev/null || kill -TERM \"$pid\" 2>/dev/null; "
+            f"echo \"TERM $d $pid\"; set -- \"$@\" \"$d:$pid:$start\"; "
+            f"else echo \"IDLE $d\"; fi; done; "
+            f"if [ $# -gt 0 ]; then nohup setsid sh -c {quote(escalate)} sh \"$@\" </dev/null >/dev/null 2>&1 & fi; "
+            f"echo 'STOP SENT'")
+
+
+def alive_cmd(workdir: str, run: str, shard_dirs: list[str]) -> str:
+    """Prints `ALIVE <shard dir> <pid>` for each of `shard_dirs` whose worker is still the process launched."""
+    return (f"cd {quote(f'{workdir}/runs/{run}')} 2>/dev/null || exit 0; "
+            f"for d in {' '.join(quote(d) for d in shard_dirs)}; do pid=$(cat \"$d/pid\" 2>/dev/null); "
+            f"[ -n \"$pid\" ] && [ \"$({_proc_start('$pid')})\" = \"$(cat \"$d/pid.start\" 2>/dev/null)\" ] && "
+            f"echo \"ALIVE $d $pid\"; done; echo 'CHECKED'")
 
 
 @dataclass

@@ -8,6 +8,7 @@
 # - `ADOPT <pid> <start>` when the shard's worker is already alive: the recorded pid runs, is not a
 #   zombie, started at the recorded time (/proc/PID/stat field 22, so a reused pid is not adopted), and
 #   was launched with the same arguments (their checksum in pid.sig);
+# - `STOPPING <pid>: ...` (exit 75) when the live worker was asked to stop (stop.json) and is finishing;
 # - `BUSY <pid>: ...` (exit 75) when a live worker launched with other arguments holds the control dir (a
 #   run of the same run name with other parameters) and does not end within 10 s;
 # - else it starts `PYTHON ARG...` with setsid (its own session: the SSH session may end), stdin from
@@ -35,6 +36,10 @@ alive() { [ -s pid ] && kill -0 "$1" 2>/dev/null && [ "$(stat_field "$1" 1)" != 
 # what this launch asks for (environment and command): only a worker started for the same is adopted
 sig=$(for arg in "$@"; do printf '%s\n' "$arg"; done | cksum | cut -d' ' -f1)
 pid=$(cat pid 2>/dev/null)
+if alive "$pid" && [ -s stop.json ]; then
+    echo "STOPPING $pid: this shard's worker was asked to stop ($(cat stop.json)) and has not ended yet"
+    exit 75
+fi
 if alive "$pid"; then
     if [ "$(cat pid.sig 2>/dev/null)" = "$sig" ]; then
         echo "ADOPT $pid $(cat pid.start)"
@@ -47,7 +52,7 @@ if alive "$pid"; then
         exit 75
     fi
 fi
-rm -f exit.json heartbeat.json pid pid.start pid.sig
+rm -f exit.json heartbeat.json pid pid.start pid.sig stop.json stop.log
 { true > worker.log; } 2>/dev/null || { echo 'LOG UNWRITABLE'; exit 73; }  # `true`: a redirection failing on `:` would end sh
 
 while [ "$#" -gt 0 ] && [ "$1" != -- ]; do

@@ -8,6 +8,7 @@ process is alive, has printed `STARTED` and written a heartbeat; anything else w
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from hsextract.errors import USAGE_EXIT
 from hsextract.journal import JOURNAL_NAME, shard_dir_name
+from hsextract.liveness import STOP_KINDS
 from hsextract.options import WorkerOptions
 from hsextract.store.s3 import KEY_ENV
 
@@ -49,6 +51,24 @@ class ShardFailed(Exception):
     def failure(self) -> Failure:
         """The shard's `Failure`: where, the one line that says why, the evidence, retryable."""
         return self.args[1]
+
+
+class ShardStopped(Exception):
+    """The shard ended because it was asked to (`kind`: "cancelled", the run was cancelled; "stopped", this
+    shard was stopped on purpose): not a failure, no attempt counted."""
+
+    def __init__(self, kind: str, why: str):
+        super().__init__(kind, why)
+        self.kind, self.why = kind, why
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.why}"
+
+    @classmethod
+    def parse(cls, message: str) -> "ShardStopped":
+        """Back from its `str` (a Cancelled task run's message)."""
+        kind, _, why = message.partition(": ")
+        return cls(kind if kind in STOP_KINDS else "cancelled", why or message)
 
 
 @dataclass(frozen=True)
@@ -188,7 +208,8 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
                 if said.startswith("LOG UNWRITABLE") else
                 "launch failed: another launch of this shard held its launch lock for 30s"
                 if said.startswith("LOCK BUSY") else f"launch refused: worker pid {said[5:]}"
-                if said.startswith("BUSY ") else "launch failed")
+                if said.startswith("BUSY ") else f"launch refused: worker pid {said[9:]}"
+                if said.startswith("STOPPING ") else "launch failed")
         raise _failure(job, what, result=result)
     # no start time: the process was gone before the launcher could read /proc; the probe says why
     pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"
@@ -221,10 +242,12 @@ def _exit_code(state: Probe) -> int | None:
 
 
 def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: Deadlines, log=None,
-                    on_probe=None) -> dict:
-    """Poll until the shard is done (returns its summary) or not (raises ShardFailed).
+                    on_probe=None, cancel: threading.Event | None = None) -> dict:
+    """Poll until the shard is done (returns its summary) or not (raises ShardFailed; ShardStopped when its
+    worker ended on a stop request, or at once when `cancel` is set: the run is being cancelled).
 
     `on_probe(heartbeat, heartbeat_age)`, when given, sees every successful probe (the UI's view)."""
+    cancel = cancel or threading.Event()
     last_ok = time.monotonic()
     last_progress, progress_at = None, time.monotonic()
     last_log = 0.0
@@ -235,7 +258,8 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
             down = time.monotonic() - last_ok
             if not exc.transient or down > deadlines.host_timeout_s:
                 raise _failure(job, f"host unreachable for {down:.0f}s: {exc}") from None
-            time.sleep(min(deadlines.poll_interval_s, 1.0))
+            if cancel.wait(min(deadlines.poll_interval_s, 1.0)):
+                raise ShardStopped("cancelled", "the flow run is being cancelled")
             continue
         last_ok = time.monotonic()
         if state.pid != launched.pid or state.recorded_start != launched.start:
@@ -244,6 +268,9 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
         if on_probe is not None:
             on_probe(state.heartbeat, state.heartbeat_age)
         code = _exit_code(state)
+        if code is not None and state.exit.get("stop") in STOP_KINDS:
+            raise ShardStopped(state.exit["stop"], f"worker pid {launched.pid} exited with code {code}: "
+                                                   f"{state.exit.get('reason')}")
         if code is not None:
             if code == 0 and (state.journal_last or {}).get("kind") == "done":
                 return state.journal_last["summary"]
@@ -274,7 +301,8 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
             last_log = time.monotonic()
             log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),
                      beat.get("samples_total"), beat.get("tokens_per_s", 0))
-        time.sleep(deadlines.poll_interval_s)
+        if cancel.wait(deadlines.poll_interval_s):
+            raise ShardStopped("cancelled", "the flow run is being cancelled")
 
 
 def remove_credentials_file(job: ShardJob, inventory: Inventory, timeout: float = 30.0) -> None:
@@ -301,9 +329,16 @@ def launch(job: ShardJob, inventory: Inventory, deadlines: Deadlines) -> Launche
 
 
 @task(name="supervise", cache_policy=NO_CACHE, task_run_name="supervise-shard-{job.shard}")
-def supervise(job: ShardJob, launched: Launched, inventory: Inventory, deadlines: Deadlines, on_probe=None) -> dict:
-    """Task: `supervise_shard` over a connection of its own; returns the shard's summary."""
-    with connect(inventory.host(job.host), inventory) as host:
-        summary = supervise_shard(host, job, launched, deadlines, get_run_logger(), on_probe)
+def supervise(job: ShardJob, launched: Launched, inventory: Inventory, deadlines: Deadlines, on_probe=None,
+              cancel: threading.Event | None = None) -> dict:
+    """Task: `supervise_shard` over a connection of its own; returns the shard's summary. A shard stopped on
+    purpose ends the task run Cancelled, its message `<kind>: <why>` (the caller gets `CancelledRun`)."""
+    from prefect.states import Cancelled
+
+    try:
+        with connect(inventory.host(job.host), inventory) as host:
+            summary = supervise_shard(host, job, launched, deadlines, get_run_logger(), on_probe, cancel)
+    except ShardStopped as stopped:
+        return Cancelled(message=str(stopped))
     get_run_logger().info("%s: done: %s", job.label, json.dumps(summary))
     return summary

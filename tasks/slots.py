@@ -16,17 +16,23 @@ import time
 from collections import deque
 
 from prefect import get_run_logger
+from prefect.states import State
 
 from .board import Board
+from .cancel import Cancel, signal_name
 from .failures import NOT_LAUNCHED, Failure, one_line
 from .plan import Plan
-from .shards import ShardFailed, ShardJob, launch, remove_credentials_file, supervise
+from .shards import ShardFailed, ShardJob, ShardStopped, launch, remove_credentials_file, supervise
 
 
-def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[str, Failure] | None = None
-               ) -> tuple[dict[int, str], dict[str, Failure]]:
+def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[str, Failure] | None = None,
+               cancel: Cancel | None = None) -> tuple[dict[int, str], dict[str, Failure]]:
     """Launch then supervise every shard of `plan.todo` on the slots of the `healthy` hosts (`host_failures`:
-    why the others are not). Returns ({shard: "done"}, {"shard N": its Failure})."""
+    why the others are not). Returns ({shard: "done" | "cancelled" | "stopped"}, {"shard N": its Failure}).
+
+    A signal that reaches this (main) thread while shards run (Ctrl-C, SIGTERM: see tasks/cancel.py) begins
+    `cancel`: the workers are told to stop on every host, the drivers end at their next look, then the
+    signal goes on up to the flow."""
     todo = deque(plan.todo)
     free = deque(slot for slot in plan.slots if slot[0] in healthy)
     if not todo:
@@ -39,25 +45,31 @@ def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[
             board.set_state(shard, "failed", why, retryable=retryable)
         return {}, {f"shard {shard}": Failure("", one_line(why), retryable=retryable, shard=shard,
                                               num_shards=plan.num_shards) for shard in todo}
-    driver = Driver(plan, board, first_wave=min(len(todo), len(free)))
+    driver = Driver(plan, board, first_wave=min(len(todo), len(free)), cancel=cancel)
     outcomes, failures = {}, {}
     active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
     with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as pool:
-        while todo or active:
-            while todo and free:
-                shard = todo.popleft()
-                slot = take_slot(free, plan.attempts.get(shard).last_failed_host)
-                job = plan.job(slot, shard)
-                active[pool.submit(contextvars.copy_context().run, driver.drive, job)] = (job, slot)
-            done, _ = cf.wait(list(active), return_when=cf.FIRST_COMPLETED)
-            for future in done:
-                job, slot = active.pop(future)
-                free.append(slot)
-                try:
-                    future.result()
-                    outcomes[job.shard] = "done"
-                except Exception as exc:  # the task's own error: host, shard, command, output
-                    failures[f"shard {job.shard}"] = failure_of(job, exc)
+        try:
+            while (todo and not driver.cancelled) or active:
+                while todo and free and not driver.cancelled:
+                    shard = todo.popleft()
+                    slot = take_slot(free, plan.attempts.get(shard).last_failed_host)
+                    job = plan.job(slot, shard)
+                    active[pool.submit(contextvars.copy_context().run, driver.drive, job)] = (job, slot)
+                done, _ = cf.wait(list(active), return_when=cf.FIRST_COMPLETED)
+                for future in done:
+                    job, slot = active.pop(future)
+                    free.append(slot)
+                    try:
+                        summary = future.result()
+                        outcomes[job.shard] = summary if isinstance(summary, str) else "done"
+                    except Exception as exc:  # the task's own error: host, shard, command, output
+                        failures[f"shard {job.shard}"] = failure_of(job, exc)
+        except BaseException as exc:
+            if cancel is None or isinstance(exc, Exception):
+                raise
+            cancel.begin(f"{signal_name(exc)} reached the flow-run process")  # then the pool waits for drivers
+            raise
     return outcomes, failures
 
 
@@ -81,26 +93,41 @@ def take_slot(free: deque, avoid: str) -> tuple[str, int]:
 class Driver:
     """Takes one shard through launch and supervise, telling the board every change of its state."""
 
-    def __init__(self, plan: Plan, board: Board, first_wave: int):
-        self.plan, self.board, self.first_wave = plan, board, first_wave
+    def __init__(self, plan: Plan, board: Board, first_wave: int, cancel: Cancel | None = None):
+        self.plan, self.board, self.first_wave, self.cancel = plan, board, first_wave, cancel
         self.started = time.monotonic()
         self.proved = 0
         self.lock = threading.Lock()
         self.log = get_run_logger()
 
-    def drive(self, job: ShardJob) -> dict:
-        """The shard's summary when it is done; its task's error otherwise (after the board heard of it)."""
+    @property
+    def cancelled(self) -> bool:
+        """The run is being cancelled: no shard is launched any more."""
+        return self.cancel is not None and self.cancel.event.is_set()
+
+    def drive(self, job: ShardJob) -> dict | str:
+        """The shard's summary when it is done, "cancelled" / "stopped" when it ended on purpose; its task's
+        error otherwise (after the board heard of it)."""
         board, inventory, deadlines = self.board, self.plan.inventory, self.plan.deadlines
         try:
+            if self.cancelled:
+                raise ShardStopped("cancelled", "the flow run is being cancelled: not launched")
             board.set_state(job.shard, "launching", host=job.host, gpu=job.gpu)
             launched = launch(job, inventory, deadlines)
             board.set_state(job.shard, "running", "adopted" if launched.adopted else "launched", pid=launched.pid,
                             adopted=launched.adopted, seconds_to_proof=launched.seconds)
             self._proved()
             summary = supervise(job, launched, inventory, deadlines,
-                                on_probe=lambda beat, age: board.beat(job.shard, beat, age))
+                                on_probe=lambda beat, age: board.beat(job.shard, beat, age),
+                                cancel=self.cancel.event if self.cancel is not None else None)
+            if isinstance(summary, State):  # the task run ended Cancelled: the shard was stopped on purpose
+                raise ShardStopped.parse(summary.message or "")
             board.set_state(job.shard, "done", "complete", samples_done=summary.get("samples_done"))
             return summary
+        except ShardStopped as stopped:  # on purpose: no failure, no attempt counted
+            board.set_state(job.shard, stopped.kind, stopped.why)
+            self.log.warning("%s %s: %s", job.label, stopped.kind, stopped.why)
+            return stopped.kind
         except Exception as exc:
             failure = failure_of(job, exc)
             board.set_state(job.shard, "failed", failure.why, retryable=failure.retryable)

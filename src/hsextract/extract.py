@@ -23,7 +23,7 @@ from .chat import ChatEncoder, Rejected, Tokenized
 from .errors import BUSY_EXIT, USAGE_EXIT, Interrupted, ShardBusy, ShardIncomplete, UsageError
 from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
-from .liveness import Heartbeat, Progress, write_json_atomic
+from .liveness import Heartbeat, Progress, stop_request, write_json_atomic
 from .options import WorkerOptions
 from .preflight import read_model_info
 from .records import Bad, Record, iter_records
@@ -391,7 +391,7 @@ def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=N
     started = heartbeat is not None
     heartbeat = heartbeat or Heartbeat(opts.status_path, progress, opts.heartbeat_interval)
     reporter = ProgressReporter(progress, opts.progress, opts.log_interval)
-    code, reason = 1, "unknown"
+    code, reason, stop = 1, "unknown", {}
     try:
         layer_ids = shard.validate()
         if not started:
@@ -407,6 +407,10 @@ def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=N
         code, reason = BUSY_EXIT, f"busy: {exc}"
     except Interrupted as exc:
         code, reason = 128 + signal.Signals[exc.signame].value, str(exc)
+        request = stop_request(opts.status_path)
+        if request is not None:  # the orchestrator asked: say what it was, in its words
+            stop = {"stop": request["stop"]}
+            reason = f"{request['stop']}: {request.get('why') or 'asked to stop'} ({exc})"
     except ShardIncomplete as exc:
         code, reason = 3, str(exc)
     except Exception as exc:
@@ -421,7 +425,7 @@ def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=N
         reporter.close()
         if shard.journal is not None:
             shard.journal.close()
-        heartbeat.finish(code, reason)
+        heartbeat.finish(code, reason, **stop)
     if code != 0:
         print(f"hsextract: shard {opts.shard}/{opts.num_shards} failed: {reason}", file=sys.stderr, flush=True)
     return code

@@ -4,7 +4,10 @@ Files in the status directory (default: the shard's directory under a local outp
   heartbeat.json  {"time", "pid", "shard", "num_shards", "phase", "samples_done", "samples_total",
                    "samples_skipped", "tokens_done", "tokens_per_s", "files", "bytes", "last_batch",
                    "spool_bytes", "upload_memory_bytes", "files_uploaded", "bytes_uploaded", ...}
-  exit.json       {"time", "pid", "code", "reason"}
+  exit.json       {"time", "pid", "code", "reason"} (+ "stop": "cancelled" | "stopped" when the signal that
+                  ended it came with a stop request)
+  stop.json       written by the orchestrator before it signals a worker to stop on purpose:
+                  {"stop": "cancelled" | "stopped", "why": "...", "time"}; the worker names it in exit.json
 Both are replaced atomically (temp file + rename), so a reader never sees half a file.
 """
 
@@ -22,6 +25,17 @@ from .store import write_atomic
 
 HEARTBEAT_NAME = "heartbeat.json"
 EXIT_NAME = "exit.json"
+STOP_NAME = "stop.json"
+STOP_KINDS = ("cancelled", "stopped")  # the run was cancelled / this shard was stopped on purpose
+
+
+def stop_request(status_dir: Path) -> dict | None:
+    """The orchestrator's stop request in `status_dir` ({"stop", "why", ...}), None when there is none."""
+    try:
+        request = json.loads((Path(status_dir) / STOP_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return request if isinstance(request, dict) and request.get("stop") in STOP_KINDS else None
 
 
 def announce_start(shard: int, num_shards: int, version: str) -> None:
@@ -105,8 +119,9 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             self.beat()
 
-    def finish(self, code: int, reason: str) -> None:
-        """Stop beating, write a last heartbeat and the exit status (if the status directory exists)."""
+    def finish(self, code: int, reason: str, **extra) -> None:
+        """Stop beating, write a last heartbeat and the exit status (if the status directory exists); `extra`
+        goes into exit.json too."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.interval_s + 1)
@@ -114,7 +129,7 @@ class Heartbeat:
             return  # arguments failed before it could be made: stderr and the exit code carry the reason
         self.progress.phase = "done" if code == 0 else "failed"
         self.beat()
-        status = {"time": round(time.time(), 3), "pid": os.getpid(), "code": code, "reason": reason}
+        status = {"time": round(time.time(), 3), "pid": os.getpid(), "code": code, "reason": reason, **extra}
         try:
             write_json_atomic(self.exit_path, status)
         except OSError as exc:

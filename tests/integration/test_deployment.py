@@ -330,3 +330,45 @@ def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(serve
         [(t.name, t.state.type) for t in left]
     assert any(t.state.is_crashed() and "continues run phoenix" in (t.state.message or "") for t in left)
     print(f"\norchestrator killed -> run marked Crashed: {crashed_after:.1f}s")
+
+
+def test_cancel_through_the_process_worker_stops_the_workers_ends_cancelled_and_holds_reruns(served):
+    """`prefect flow-run cancel` of a deployment run executed by `prefect worker start`: every worker stopped
+    (finishing its file, exit record `cancelled`), the run Cancelled, no automation starts anything, the
+    scheduled re-run deployment is held, and a run started by a person resumes it exactly once."""
+    from prefect.deployments import run_deployment
+
+    out = served.root / "out-cancel"
+    data = tiny.build_dataset(served.root / "cancel.jsonl", 320, seed=13)
+    run = dict(output=f"file://{out}", hosts=served.inventory("cancel"), data=str(data), token_budget=256,
+               cancel_grace_s=30)
+    flow_run = start("cancel-w", **run)
+    workdir = served.root / "w-cancel" / "runs" / "cancel-w"
+
+    def extracting():
+        beats = [json.loads(p.read_text()) for p in workdir.glob("shard-*/heartbeat.json")]
+        return len(beats) == 2 and all(b.get("samples_done", 0) > 0 for b in beats)
+
+    wait_for(extracting, 120, "both shards extracting", served)
+    pids = [int(p.read_text()) for p in workdir.glob("shard-*/pid")]
+    asked = time.monotonic()
+    proc = served.cli("flow-run", "cancel", str(flow_run.id))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    final = wait_final(flow_run.id, timeout=90, served=served)
+    to_cancelled = time.monotonic() - asked
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().rsplit(
+        ") ", 1)[1][0] != "Z" for pid in pids), 40, "no worker left", served)
+    to_idle = time.monotonic() - asked
+    assert final.state.is_cancelled(), (final.state, served.worker_log())
+    for exit_file in workdir.glob("shard-*/exit.json"):
+        assert json.loads(exit_file.read_text()).get("stop") == "cancelled", exit_file.read_text()
+    assert (out / "_runs" / "cancel-w" / "cancelled.json").exists()
+    time.sleep(15)  # what automations would start comes within seconds (their re-run delay is 0 here)
+    assert [r.id for r in runs_of("cancel-w")] == [flow_run.id], "nothing re-ran the cancelled run"
+    held = run_deployment("extract/qwen-rerun", parameters={"run_name": "cancel-w", **run}, timeout=0)
+    held = wait_final(held.id, served=served)
+    assert held.state.is_cancelled() and "held" in held.state.message, held.state
+    again = wait_final(start("cancel-w", **run).id, timeout=300, served=served)
+    assert again.state.is_completed(), (again.state, served.worker_log())
+    assert Counter(s["id"] for s in hsextract.read_samples(out, verify=True)) == Counter(dataset_ids(data))
+    print(f"\ncancel via process worker: Cancelled after {to_cancelled:.1f}s, no worker after {to_idle:.1f}s")

@@ -41,8 +41,8 @@ def env(farm, tmp_path_factory, tiny_model):
 
 
 def job_for(env, host: str, shard: int = 0, python: str = sys.executable, run: str = "t", budget: int = 128,
-            num_shards: int = 1) -> ShardJob:
-    options = WorkerOptions(model=env["model"], data=env["data"], out=f"{env['base']}/out-{run}", layers="1,3",
+            num_shards: int = 1, data: Path | None = None) -> ShardJob:
+    options = WorkerOptions(model=env["model"], data=data or env["data"], out=f"{env['base']}/out-{run}", layers="1,3",
                             token_budget=budget, progress="log", heartbeat_interval=HEARTBEAT_S, device="cpu")
     return ShardJob.on(run, env["inventory"].host(host), 0, env["digest"], options, shard, num_shards, python=python)
 
@@ -255,3 +255,73 @@ def test_overlapping_deploys_of_one_bundle_to_one_workdir_all_succeed(env, farm,
     assert sorted(p.name for p in bundles.iterdir()) == [env["bundle"].sha256]
     assert (bundles / env["bundle"].sha256 / ".complete").read_text() == env["bundle"].sha256
     assert (bundles / env["bundle"].sha256 / "src" / "hsextract" / "cli.py").is_file()
+
+
+def wait_extracting(host, job) -> None:
+    deadline = time.monotonic() + 60
+    while (probe(host, job, 5).heartbeat or {}).get("phase") != "extracting":
+        assert time.monotonic() < deadline, "never reached extracting"
+        time.sleep(0.2)
+
+
+def test_stop_workers_stops_the_runs_workers_on_every_host_and_a_relaunch_resumes(env, tmp_path):
+    """Two shards of one run on two hosts, extracting: one `stop_workers` SIGTERMs both (each finishes the file
+    in flight, journals it, and names the stop request in its exit record); supervise ends ShardStopped, not a
+    failure; a launch afterwards resumes each shard to every sample exactly once."""
+    from hsextract import read_samples
+    from harness.worker import dataset_ids
+    from tasks.cancel import stop_workers
+    from tasks.shards import ShardStopped
+
+    data = tiny.build_dataset(tmp_path / "data.jsonl", 600, seed=9)
+    jobs = [job_for(env, name, shard=n, run="cancel", num_shards=2, budget=256, data=data)
+            for n, name in enumerate(("h1", "h2"))]
+    launched = []
+    for job in jobs:
+        with open_host(env, job.host) as host:
+            launched.append(launch_shard(host, job, FAST))
+    for job in jobs:
+        with open_host(env, job.host) as host:
+            wait_extracting(host, job)
+    stops = {s.host: s for s in stop_workers(env["inventory"], "cancel", "cancelled", "a test cancels", 30)}
+    assert {h: list(s.signalled) for h, s in stops.items()} == {
+        "h1": ["shard-00000-of-00002"], "h2": ["shard-00001-of-00002"], "lo": []}, stops
+    assert not any(s.alive or s.error for s in stops.values()), [s.describe() for s in stops.values()]
+    for job, proof in zip(jobs, launched):
+        with open_host(env, job.host) as host, pytest.raises(ShardStopped) as stopped:
+            supervise_shard(host, job, proof, FAST)
+        assert stopped.value.kind == "cancelled" and "a test cancels" in stopped.value.why, stopped.value
+        assert "code 143" in stopped.value.why
+    for job in jobs:
+        with open_host(env, job.host) as host:
+            again = launch_shard(host, job, FAST)
+            assert not again.adopted
+            supervise_shard(host, job, again, FAST)
+    ids = [s["id"] for s in read_samples(jobs[0].options.out)]
+    assert sorted(ids) == sorted(dataset_ids(data)), "every sample exactly once after the stop"
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_on_its_host_after_the_grace(env, tmp_path):
+    """The orchestrator sends the stop and is gone: the host's own sleeper SIGKILLs the worker (its whole process
+    group) once the grace is over, and says so in the shard's stop.log."""
+    from tasks.cancel import stop_workers
+
+    stubborn = script(tmp_path / "stubborn", "trap '' TERM\necho \"STARTED shard=0/1 pid=$$ version=stub\"\n"
+                                             "echo '{\"phase\": \"extracting\"}' > heartbeat.json\nsleep 600 &\nwait")
+    job = job_for(env, "lo", run="cancel-stubborn", python=stubborn)
+    with open_host(env, "lo") as host:
+        proof = launch_shard(host, job, FAST)
+        began = time.monotonic()
+        (stop,) = [s for s in stop_workers(env["inventory"], "cancel-stubborn", "cancelled", "stubborn", 2.0,
+                                           wait_s=0) if s.host == "lo"]
+        assert stop.signalled == {"shard-00000-of-00001": proof.pid}
+        time.sleep(1.0)
+        assert probe(host, job, 5).alive, "SIGTERM is ignored: it still runs within the grace"
+        while probe(host, job, 5).alive:
+            assert time.monotonic() - began < 10, "not killed 10 s after a 2 s grace"
+            time.sleep(0.2)
+        # what is left of the process group: nothing, or zombies (where this machine's init does not reap them)
+        killed = host.run(f"cat {job.control_dir}/stop.log; for p in $(pgrep -g {proof.pid}); do "
+                          f"sed 's/.*) //' /proc/$p/stat | cut -d' ' -f1; done", 5).stdout.split()
+    assert " ".join(killed[:4]) == f"KILLED {proof.pid} after 2s", killed
+    assert set(killed[4:]) <= {"Z"}, f"the worker's process group still runs: {killed}"
