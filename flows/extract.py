@@ -3,9 +3,11 @@
 Ends Completed only when every requested shard is done and the output reconciles; otherwise Failed, naming
 each failed shard, its host and the reason. Calling it again with the same `run_name` and `output` continues
 the run: complete shards are not redone (the worker resumes by sample id) and running ones are adopted.
-"""
 
-from __future__ import annotations
+(No `from __future__ import annotations` here: Prefect validates the parameters with a pydantic model built
+from this signature, and where the runner loads this file under a module name of its own (`extract.serve()`)
+string annotations cannot be resolved.)
+"""
 
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +20,7 @@ from pydantic import Field
 from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
 from tasks.board import Board, run_key
 from tasks.cancel import (Cancel, cancel_signals, cancelled, flow_run_label, hold_if_cancelled,
-                          stop_on_cancellation)
+                          hold_stopped_shards, stop_on_cancellation)
 from tasks.commands import RUN_NAME_PATTERN
 from tasks.deploy import deploy_hosts
 from tasks.failures import Failure
@@ -135,6 +137,7 @@ def extract(
         tag_flow_run(plan.run)
         if (held := hold_if_cancelled(plan, params, log)) is not None:
             return held
+        hold_stopped_shards(plan, params, log)
         close_orphans(plan.run, log)
         cancel = Cancel(plan.run, plan.inventory, cancel_grace_s, log, by=flow_run_label())
         with Board(plan.run, plan.num_shards, plan.requested, plan.attempts, status_interval_s, related_resources(),
@@ -143,6 +146,8 @@ def extract(
                 board.set_state(shard, "complete", "already complete")
             for shard in sorted(plan.capped):
                 board.set_state(shard, "capped", plan.failures[f"shard {shard}"].why)
+            for shard, why in sorted(plan.stopped.items()):
+                board.set_state(shard, "stopped", why)
             checks = replace(plan.options, shard=0, num_shards=plan.num_shards).argv()  # each host checks inputs
             healthy, failures = (deploy_hosts(plan.inventory, plan.bundle, worker_version(), checks) if plan.todo
                                  else (set(), {}))
@@ -162,7 +167,8 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
             failures[f"shard {shard}"] = Failure("", f"{outcome} on purpose (its worker was asked to stop): not "
                                                      f"re-run until a person starts the run again",
                                                  retryable=False, shard=shard, num_shards=plan.num_shards)
-    outcomes = {**done, **{s: "done (already complete)" for s in plan.already}, **{s: "capped" for s in plan.capped}}
+    outcomes = {**done, **{s: "done (already complete)" for s in plan.already}, **{s: "capped" for s in plan.capped},
+                **{s: "stopped" for s in plan.stopped}}
     summary = {"run_name": plan.run, "output": params["output"], "num_shards": plan.num_shards,
                "shards": {str(s): outcomes.get(s, "failed") for s in plan.requested}}
     if failures:

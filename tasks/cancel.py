@@ -22,7 +22,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hsextract.journal import shard_dir_name
 from hsextract.store import Store
 
 from .commands import alive_cmd, stop_cmd
@@ -57,13 +56,12 @@ class HostStop:
 
 
 def stop_workers(inventory: Inventory, run: str, kind: str, why: str, grace_s: float,
-                 num_shards: int | None = None, shards: list[int] | None = None, wait_s: float | None = None,
-                 timeout_s: float = 30.0, cancel_wait: threading.Event | None = None) -> list[HostStop]:
-    """Stop the workers of `run` (`shards` of `num_shards` only, else every one it has) on every host of
+                 shards: list[int] | None = None, wait_s: float | None = None,
+                 timeout_s: float = 30.0) -> list[HostStop]:
+    """Stop the workers of `run` (`shards` only, else every one it has) on every host of
     `inventory`, in parallel: stop request `kind` ("cancelled" | "stopped") saying `why`, SIGTERM, SIGKILL
     after `grace_s` on the host. Then watch them end for up to `wait_s` (None: the grace + 10 s; 0: not at
     all). Never raises for a host: an unreachable one says so in its `HostStop`."""
-    dirs = None if shards is None else [shard_dir_name(s, num_shards) for s in shards]
     request = {"stop": kind, "why": why, "time": round(time.time(), 3)}
     wait_s = grace_s + 10.0 if wait_s is None else wait_s
 
@@ -72,7 +70,7 @@ def stop_workers(inventory: Inventory, run: str, kind: str, why: str, grace_s: f
         result = HostStop(spec.name)
         try:
             with connect(spec, inventory) as host:
-                said = host.run(stop_cmd(spec.workdir, run, request, grace_s, dirs), timeout_s)
+                said = host.run(stop_cmd(spec.workdir, run, request, grace_s, shards), timeout_s)
                 for line in said.stdout.splitlines():
                     words = line.split()
                     if len(words) == 3 and words[0] == "TERM" and words[2].isdigit():
@@ -83,8 +81,6 @@ def stop_workers(inventory: Inventory, run: str, kind: str, why: str, grace_s: f
                 result.alive = dict(result.signalled)
                 deadline = began + wait_s
                 while result.alive and time.monotonic() < deadline:
-                    if cancel_wait is not None and cancel_wait.is_set():
-                        break
                     time.sleep(0.5)
                     check = host.run(alive_cmd(spec.workdir, run, sorted(result.alive)), timeout_s)
                     if check.ok and "CHECKED" in check.stdout:
@@ -325,3 +321,76 @@ def stop_on_cancellation(flow, flow_run, state) -> None:
     except Exception as exc:
         log.error("flow run %s: cancelled, but its workers may still run: %s: %s", flow_run.name,
                   type(exc).__name__, exc)
+
+
+def hold_stopped_shards(plan, params: dict, log) -> dict[int, str]:
+    """Shards stopped on purpose (`stop_shards`): an automated run leaves them out (returned: shard -> why,
+    and named in `plan.failures`, not retried); a person's run clears the marks and runs them."""
+    from .failures import Failure
+
+    if not plan.reachable():
+        return {}
+    marks = stopped_marks(plan.store, plan.run)
+    if not marks:
+        return {}
+    automated = started_by_automation(params)
+    if not automated:
+        clear_stopped(plan.store, plan.run)
+        log.info("run %s: shard(s) %s were stopped on purpose; started by hand: running them", plan.run,
+                 ", ".join(map(str, sorted(marks))))
+        return {}
+    held = {}
+    for shard in [s for s in plan.todo if s in marks]:
+        plan.todo.remove(shard)
+        why = f"stopped on purpose ({marks[shard].get('why') or 'no reason given'}): not run by {automated}; " \
+              f"a run started by hand runs it again"
+        plan.failures[f"shard {shard}"] = Failure("", why, retryable=False, shard=shard, num_shards=plan.num_shards)
+        held[shard] = plan.stopped[shard] = why
+    return held
+
+
+def stop_shards(hosts: str, output: str, run: str, shards: list[int], why: str, aws_credentials: str | None = None,
+                grace_s: float = 60.0) -> list[HostStop]:
+    """Stop shards of a run on purpose, without cancelling the run: mark them stopped beside the attempt
+    record (automated runs leave them out until a person's run), then stop their workers wherever they run.
+    The flow run supervising them names them stopped and ends Failed, asking for no re-run of them."""
+    from hsextract.store import open_store
+
+    from .credentials import load_access
+    from .plan import reachable, resolve_inventory
+
+    inventory = resolve_inventory(hosts)
+    store = open_store(output, client=load_access(aws_credentials).client)
+    if not reachable(store, inventory):
+        raise RuntimeError(f"{output}: not reachable from here, so the stop could not be recorded (automated runs "
+                           f"would start the shards again): run this where the output is visible")
+    mark_stopped(store, run, shards, why)
+    return stop_workers(inventory, run, "stopped", why, grace_s, shards=shards)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tasks.cancel stop --hosts H --output O --run-name R --shard N [--shard M] [--why TEXT]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tasks.cancel", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    stop = sub.add_parser("stop", help="stop shards of a run on purpose (the run is not cancelled)")
+    stop.add_argument("--hosts", required=True, help="the inventory (YAML path or HostInventory block name)")
+    stop.add_argument("--output", required=True, help="the run's output (file:///... or s3://...)")
+    stop.add_argument("--run-name", required=True)
+    stop.add_argument("--shard", type=int, action="append", required=True, dest="shards")
+    stop.add_argument("--why", default="stopped by hand")
+    stop.add_argument("--aws-credentials", default=None, help="the AwsCredentials block of an s3:// output")
+    stop.add_argument("--grace", type=float, default=60.0, help="seconds from SIGTERM to SIGKILL (default 60)")
+    args = parser.parse_args(argv)
+    stops = stop_shards(args.hosts, args.output, args.run_name, args.shards, args.why, args.aws_credentials,
+                        args.grace)
+    for stop in stops:
+        print(stop.describe())
+    return 1 if any(s.error or s.alive for s in stops) else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

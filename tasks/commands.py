@@ -130,15 +130,15 @@ def kill_cmd(control: str) -> str:
             f"{{ kill -KILL -\"$pid\" 2>/dev/null; kill -KILL \"$pid\" 2>/dev/null; echo KILLED; }}")
 
 
-def stop_cmd(workdir: str, run: str, request: dict, grace_s: float, shard_dirs: list[str] | None = None) -> str:
-    """Stop the workers of run `run` on this host (its `shard_dirs`, or every shard dir the run has here):
+def stop_cmd(workdir: str, run: str, request: dict, grace_s: float, shards: list[int] | None = None) -> str:
+    """Stop the workers of run `run` on this host (shards `shards`, or every shard dir the run has here):
     for each one alive as launched (pid and start time match), write `request` as its stop.json, SIGTERM its
     process group, and leave a detached sleeper on the host that SIGKILLs whatever of them is still that
     process after `grace_s` and removes its credentials file: the grace holds even if the orchestrator dies.
     Prints `TERM <shard dir> <pid>` per worker signalled, `IDLE <shard dir>` per one with no live worker."""
     from .credentials import CREDENTIALS_FILE
 
-    dirs = " ".join(quote(d) for d in shard_dirs) if shard_dirs is not None else "shard-*-of-*"
+    dirs = " ".join(f"shard-{int(n):05d}-of-*" for n in shards) if shards is not None else "shard-*-of-*"
     body = json.dumps(request, separators=(",", ":"))
     # the sleeper's arguments: shard dir:pid:start of each signalled worker
     escalate = (f"sleep {max(0.0, grace_s):g}; for w in \"$@\"; do d=${{w%%:*}}; r=${{w#*:}}; p=${{r%%:*}}; "

@@ -66,6 +66,7 @@ class Plan:
     aws_credentials: str | None
     bundle: Bundle
     failures: dict[str, Failure] = field(default_factory=dict)  # "shard N": why, for the capped ones
+    stopped: dict[int, str] = field(default_factory=dict)  # held: stopped on purpose (tasks/cancel.py), why
 
     @property
     def slots(self) -> list[tuple[str, int]]:

@@ -59,6 +59,19 @@ def workers(tmp_path: Path, run: str) -> dict[str, dict]:
     return found
 
 
+def extracting(tmp_path: Path, run: str) -> bool:
+    """Both workers of the run alive and past their first sample."""
+    def done(control: Path) -> int:
+        try:
+            return json.loads((control / "heartbeat.json").read_text()).get("samples_done", 0)
+        except (OSError, ValueError):
+            return 0
+
+    found = workers(tmp_path, run)
+    return len(found) == 2 and all(w["alive"] and done(tmp_path / "w" / "runs" / run / d) > 0
+                                   for d, w in found.items())
+
+
 def flow_run_of(run: str):
     from prefect.client.orchestration import get_client
 
@@ -87,19 +100,18 @@ def test_a_direct_call_that_is_signalled_stops_its_workers_ends_cancelled_and_re
     code = "import json, sys; from flows.extract import extract; extract(**json.loads(sys.argv[1]))"
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    log = tmp_path / "caller.log"  # a file, not a pipe: nobody reads a pipe while the run goes on
     caller = subprocess.Popen([sys.executable, "-c", code, json.dumps(p)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while not (len(w := workers(tmp_path, run)) == 2 and all(x["alive"] for x in w.values()) and all(
-            (tmp_path / "w" / "runs" / run / d / "heartbeat.json").exists() and json.loads(
-                (tmp_path / "w" / "runs" / run / d / "heartbeat.json").read_text()).get("samples_done", 0) > 0
-            for d in w)):
-        assert caller.poll() is None and time.monotonic() < deadline, caller.communicate()[0][-3000:]
+    while not extracting(tmp_path, run):
+        assert caller.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
     signalled = time.monotonic()
     caller.send_signal(getattr(signal, signame))
-    said = caller.communicate(timeout=120)[0]
+    caller.wait(timeout=120)
     ended = time.monotonic() - signalled
+    said = log.read_text()
     left = workers(tmp_path, run)
     assert not any(w["alive"] for w in left.values()), left
     assert ended < 15, f"the flow-run process took {ended:.1f}s to end after {signame}"
@@ -132,3 +144,91 @@ def test_a_direct_call_that_is_signalled_stops_its_workers_ends_cancelled_and_re
     assert not (out / "_runs" / run / "cancelled.json").exists(), "a run by hand clears the mark"
     ids = Counter(s["id"] for s in hsextract.read_samples(out, verify=True))
     assert ids == Counter(dataset_ids(data)), "every sample exactly once after the cancel"
+
+
+def test_a_served_deployment_cancelled_stops_its_workers_and_ends_cancelled(prefect_server, tiny_model, data,
+                                                                             tmp_path):
+    """`extract.serve()` (the runner in-process: no work pool, no worker) and `prefect flow-run cancel`."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL
+
+    run = "cancel-served"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen([sys.executable, "-c", "from flows.extract import extract; "
+                               "extract.serve(name='served-cancel', limit=2)"], cwd=ROOT, env=env,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    said = lambda: log.read_text()[-3000:]  # noqa: E731
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                flow_run = run_deployment("extract/served-cancel", parameters=params(tiny_model, data, tmp_path, run),
+                                          timeout=0)
+                break
+            except Exception:  # the deployment is not registered yet
+                assert server.poll() is None and time.monotonic() < deadline, said()
+                time.sleep(1)
+        while not extracting(tmp_path, run):
+            assert server.poll() is None and time.monotonic() < deadline, said()
+            time.sleep(0.2)
+        asked = time.monotonic()
+        cancel = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", str(flow_run.id)], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        while not flow_run_of(run).state.is_final():
+            assert time.monotonic() - asked < 60, (flow_run_of(run).state, said())
+            time.sleep(0.3)
+        state = flow_run_of(run).state
+        while any(w["alive"] for w in workers(tmp_path, run).values()):
+            assert time.monotonic() - asked < 40, workers(tmp_path, run)
+            time.sleep(0.3)
+        assert state.is_cancelled(), (state, said())
+        assert all(w["exit"] and w["exit"].get("stop") == "cancelled" for w in workers(tmp_path, run).values())
+        assert (tmp_path / "out" / "_runs" / run / "cancelled.json").exists()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def test_one_shard_stopped_by_hand_fails_the_run_naming_it_and_only_a_person_runs_it_again(
+        prefect_server, tiny_model, data, tmp_path):
+    """`python -m tasks.cancel stop --shard 1` while the run goes on (a host must be given back): shard 1's
+    worker stops (its file journaled), the run ends Failed naming it as stopped, with no failed attempt and
+    no re-run of it; an automated run leaves it out; a run by hand runs it, every sample exactly once."""
+    import threading
+
+    from flows.extract import extract
+
+    run = "stop-one"
+    p = params(tiny_model, data, tmp_path, run)
+    ended = {}
+    first = threading.Thread(target=lambda: ended.setdefault("state", extract(return_state=True, **p)))
+    first.start()
+    deadline = time.monotonic() + 120
+    while not extracting(tmp_path, run):
+        assert first.is_alive() and time.monotonic() < deadline, ended
+        time.sleep(0.2)
+    stop = subprocess.run([sys.executable, "-m", "tasks.cancel", "stop", "--hosts", p["hosts"], "--output",
+                           p["output"], "--run-name", run, "--shard", "1", "--why", "host given back"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0 and "SIGTERM to 1 worker(s), 1 ended" in stop.stdout, stop.stdout + stop.stderr
+    first.join(timeout=300)
+    state = ended["state"]
+    assert state.is_failed() and "shard 1/2" in state.message and "stopped" in state.message, state.message
+    assert "re-run requested" not in state.message, state.message
+    exits = {d: w["exit"] for d, w in workers(tmp_path, run).items()}
+    assert exits["shard-00001-of-00002"]["stop"] == "stopped" and exits["shard-00000-of-00002"]["code"] == 0
+    record = tmp_path / "out" / "_runs" / run / "attempts.json"
+    attempts = json.loads(record.read_text()) if record.exists() else {}
+    assert all(a["failed_attempts"] == 0 for a in attempts.values()), attempts
+
+    held = extract(return_state=True, **{**p, "rerun_depth": 1, "shards": [1]})  # what an automation starts
+    assert held.is_failed() and "stopped on purpose (host given back)" in held.message, held.message
+    assert not any(w["alive"] for w in workers(tmp_path, run).values())
+
+    again = extract(return_state=True, **p)
+    assert again.is_completed(), again.message
+    ids = Counter(s["id"] for s in hsextract.read_samples(tmp_path / "out", verify=True))
+    assert ids == Counter(dataset_ids(data))
