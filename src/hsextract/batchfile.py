@@ -203,6 +203,7 @@ class LoadedBatch:
         self.has_last = "last_hidden_state" in self.tensors
         self.cu_seqlens: list[int] = self.tensors["cu_seqlens"].tolist()
         self.data = data if torch.is_tensor(data) else None
+        self.path: Path | None = None  # the file `data` maps (`mapped`)
 
     @classmethod
     def mapped(cls, path: Path) -> "LoadedBatch":

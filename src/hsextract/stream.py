@@ -123,7 +123,7 @@ def _crossing(batch, record: dict) -> dict:
     of a mapped file as `_PageView`s, views of a download already in shared memory as they are (torch sends
     that memory's handle), anything else (computed here: fp8 decoded, layers stacked) copied once into
     shared memory (a view of anything else would carry its whole batch across)."""
-    path = getattr(batch, "path", None)
+    path = batch.path
     base = batch.data.untyped_storage().data_ptr() if path is not None else None
     crossing = {}
     for key, value in record.items():
