@@ -62,7 +62,7 @@ def stop_workers(inventory: Inventory, run: str, kind: str, why: str, grace_s: f
     `inventory`, in parallel: stop request `kind` ("cancelled" | "stopped") saying `why`, SIGTERM, SIGKILL
     after `grace_s` on the host. Then watch them end for up to `wait_s` (None: the grace + 10 s; 0: not at
     all). Never raises for a host: an unreachable one says so in its `HostStop`."""
-    request = {"stop": kind, "why": why, "time": round(time.time(), 3)}
+    request = {"stop": kind, "why": why, "time": round(time.time(), 3), "grace_s": grace_s}
     wait_s = grace_s + 10.0 if wait_s is None else wait_s
 
     def one(spec) -> HostStop:

@@ -133,6 +133,19 @@ class ShardRun:
         opts = self.opts
         store = S3Store(opts.upload, s3_client(opts.s3_endpoint))
         fetch_journals(store, opts.out_dir)  # what every earlier run put in the store counts as done
+        # parts of uploads an earlier worker of this shard never finished (killed, stopped mid-file): this one
+        # holds the shard's lock, so none of them is still going on
+        try:
+            aborted = store.abort_uploads(f"{opts.shard_dir.name}/")
+        except Exception as exc:  # noqa: BLE001 - a cleanup: no ListBucketMultipartUploads right must not stop it
+            aborted = []
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: cannot list or abort unfinished "
+                  f"multipart uploads under {store.where(opts.shard_dir.name + '/')} ({type(exc).__name__}: {exc}); "
+                  f"parts an earlier worker left stay until the bucket's lifecycle rule removes them",
+                  file=sys.stderr, flush=True)
+        if aborted:
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: aborted {len(aborted)} unfinished multipart "
+                  f"upload(s) an earlier worker left: {', '.join(aborted[:5])}", file=sys.stderr, flush=True)
         high, low = spool_marks(opts.out_dir, opts.spool_high_bytes, opts.spool_low_bytes,
                                 f"shard {opts.shard}/{opts.num_shards}")
         spool = Spool(high, low, self.progress)
@@ -366,6 +379,10 @@ def load_tokenizer(model_dir: Path):
         raise UsageError(f"--model {str(model_dir)!r}: cannot load its tokenizer ({exc})") from None
 
 
+#: on a stop, how long a worker lets its uploads in flight finish (at most half the stop request's grace)
+UPLOAD_STOP_WAIT_S = 10.0
+
+
 def install_signal_handlers(shard: ShardRun) -> None:
     """SIGTERM/SIGINT: during extraction stop after the file in flight; before it, stop at once."""
 
@@ -411,6 +428,12 @@ def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=N
         if request is not None:  # the orchestrator asked: say what it was, in its words
             stop = {"stop": request["stop"]}
             reason = f"{request['stop']}: {request.get('why') or 'asked to stop'} ({exc})"
+        if shard.uploader is not None:  # uploads in flight may finish, well within the grace before SIGKILL
+            grace = (request or {}).get("grace_s")
+            wait = min(UPLOAD_STOP_WAIT_S, float(grace) / 2) if isinstance(grace, (int, float)) else UPLOAD_STOP_WAIT_S
+            left = shard.uploader.stop(wait)
+            reason += f"; {shard.uploader.files_uploaded} file(s) uploaded" + (
+                f", {left} upload(s) cut short (the next run sends them again)" if left else "")
     except ShardIncomplete as exc:
         code, reason = 3, str(exc)
     except Exception as exc:

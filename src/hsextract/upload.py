@@ -219,6 +219,7 @@ class BackgroundUploader:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # the counters, `uploaded`, and one mirror PUT at a time
         self._in_flight = 0
+        self._stopping = False  # `stop`: queued files stay in the spool for the next run
         self._threads = [threading.Thread(target=self._run, name=f"hsextract-uploader-{i}", daemon=True)
                          for i in range(max(1, files_in_flight))]
         for thread in self._threads:
@@ -262,12 +263,13 @@ class BackgroundUploader:
         while (item := self._queue.get()) is not None:
             entry, data, on_stored = item if isinstance(item, tuple) else (item, None, None)
             item = None
-            if self.error is not None:
+            if self.error is not None or self._stopping:
                 if data is not None:
                     self._forget(len(data))
                 continue
             with self._lock:
                 self._in_flight += 1
+            counted = True
             try:
                 path = self.shard_dir / entry["file"]
                 upload_verified(self.client, path if data is None else data, self.bucket, self.key(entry["file"]),
@@ -283,6 +285,7 @@ class BackgroundUploader:
                         self.spool.progress.files_uploaded = self.files_uploaded
                         self.spool.progress.bytes_uploaded = self.bytes_uploaded
                     self._in_flight -= 1
+                    counted = False
                     caught_up = self._in_flight == 0 and self._queue.empty()
                 if data is None:
                     self.spool.remove(entry["bytes"])
@@ -294,6 +297,9 @@ class BackgroundUploader:
             except BaseException as exc:  # surfaced on the main thread
                 self.error = self.error or exc
                 self.failed.set()
+                if counted:
+                    with self._lock:
+                        self._in_flight -= 1
                 if data is not None:  # never journaled: the samples are redone by the next run
                     data = None
                     self._forget(entry["bytes"])
@@ -311,6 +317,20 @@ class BackgroundUploader:
                             if e.get("kind") != "file" or e["file"] in self.uploaded)
             self.store.write(f"{self.shard_dir.name}/{JOURNAL_NAME}", body)
             self._mirrored_at = time.monotonic()
+
+    def stop(self, wait_s: float) -> int:
+        """The worker was asked to stop: start no more uploads (the files queued on disk stay in the spool,
+        journaled, and the next run of the shard sends them first; those queued in memory were never journaled:
+        the next run extracts their samples again), give the uploads in flight up to `wait_s` to finish,
+        then mirror the journal so the store names every file verified so far. Returns the uploads still in
+        flight (a multipart one left unfinished is aborted by the next run: `S3Store.abort_uploads`)."""
+        self._stopping = True
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.error is None and self.uploaded:
+            self.mirror_journal()
+        return self._in_flight
 
     def drain(self) -> None:
         """Wait until every submitted file is uploaded and verified; raise the first upload error."""

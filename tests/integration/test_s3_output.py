@@ -212,3 +212,69 @@ def test_upload_from_memory_failure_journals_only_what_is_stored(tmp_path, tiny_
 def test_upload_from_memory_needs_an_s3_output(tmp_path, tiny_model, dataset):
     proc = run_extract(tiny_model, dataset, tmp_path / "o", 0, 1, "--upload-from", "memory")
     assert proc.returncode == 2 and "--upload-from memory" in proc.stderr and "s3://" in proc.stderr
+
+
+def test_a_worker_stopped_while_uploading_finishes_its_uploads_in_flight_and_the_next_run_the_rest(
+        tmp_path, tiny_model, dataset, s3, s3_endpoint):
+    """A stop request and SIGTERM while the link is slow: the uploads in flight finish (within half the
+    request's grace), the queued files stay in the spool, journaled, the store's journal names every file
+    verified. The multipart upload a killed worker would leave is aborted by the next run, which sends the
+    spooled files first; every sample lands once."""
+    import signal
+    import subprocess
+
+    from harness.worker import extract_cmd
+
+    client, bucket = s3
+    status, spool = tmp_path / "status", tmp_path / "spool"
+
+    def slow(method, path):
+        if method == "PUT" and "/batch-" in path:
+            time.sleep(0.8)
+        return None
+
+    proxy = FaultProxy(s3_endpoint, slow).start()
+    log = tmp_path / "worker.log"
+    try:
+        worker = subprocess.Popen(extract_cmd(tiny_model, dataset, f"s3://{bucket}/c", 0, 1, "--token-budget", "256",
+                                              "--spool", str(spool), "--s3-endpoint", proxy.url,
+                                              "--status-dir", str(status)),
+                                  stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        shard = spool / "shard-00000-of-00001"
+        deadline = time.monotonic() + 120
+        while len(list(shard.glob("batch-*.safetensors"))) < 6:  # a backlog: more queued than in flight
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        (status / "stop.json").write_text(json.dumps({"stop": "cancelled", "why": "test", "grace_s": 8}))
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
+    finally:
+        proxy.stop()
+    said = log.read_text()
+    record = json.loads((status / "exit.json").read_text())
+    assert worker.returncode == 143 and record["stop"] == "cancelled", said
+    assert "file(s) uploaded" in record["reason"], record
+    journal = [json.loads(l) for l in (shard / "journal.jsonl").read_text().splitlines()]
+    journaled = [e["file"] for e in journal if e["kind"] == "file"]
+    waiting = sorted(p.name for p in shard.glob("batch-*.safetensors"))
+    stored = {o["Key"].rsplit("/", 1)[1] for o in client.list_objects_v2(Bucket=bucket, Prefix="c/")["Contents"]
+              if "/batch-" in o["Key"]}
+    assert waiting and set(waiting) <= set(journaled), (waiting, journaled)  # nothing lost: queued, journaled
+    assert stored and not stored & set(waiting) and stored | set(waiting) == set(journaled), (stored, waiting)
+    mirrored = client.get_object(Bucket=bucket, Key="c/shard-00000-of-00001/journal.jsonl")["Body"].read().decode()
+    assert {json.loads(l)["file"] for l in mirrored.splitlines() if '"kind":"file"' in l} == stored
+
+    # what a worker killed mid-part leaves: an unfinished multipart upload under the shard's prefix
+    left = client.create_multipart_upload(Bucket=bucket, Key=f"c/shard-00000-of-00001/{waiting[0]}")["UploadId"]
+    client.upload_part(Bucket=bucket, Key=f"c/shard-00000-of-00001/{waiting[0]}", UploadId=left, PartNumber=1,
+                       Body=b"x" * (5 << 20))
+    again = run_extract(tiny_model, dataset, f"s3://{bucket}/c", 0, 1, "--token-budget", "256",
+                        "--spool", str(spool), "--s3-endpoint", s3_endpoint, "--status-dir", str(status))
+    assert again.returncode == 0, again.stderr
+    assert "aborted 1 unfinished multipart upload(s)" in again.stderr, again.stderr
+    assert not client.list_multipart_uploads(Bucket=bucket, Prefix="c/").get("Uploads")
+    assert summary_of(again)["upload"]["files"] >= len(waiting)
+    import hsextract
+
+    ids = sorted(s["id"] for s in hsextract.read_samples(f"s3://{bucket}/c", verify=True, client=client))
+    assert ids == sorted(dataset_ids(dataset))

@@ -142,6 +142,19 @@ class S3Store(Store):
     def delete(self, key: str) -> None:
         self._call(self.client.delete_object, key)
 
+    def abort_uploads(self, under: str) -> list[str]:
+        """Abort every unfinished multipart upload of a key beneath `under` (relative to the output root): the
+        parts a killed or stopped uploader left behind, which the bucket would otherwise keep (and bill) until
+        a lifecycle rule removes them. Returns the keys (relative) whose uploads were aborted."""
+        base = self.key(under)
+        pages = self._call(lambda **kw: list(self.client.get_paginator("list_multipart_uploads").paginate(**kw)),
+                           None, Prefix=base)
+        aborted = []
+        for upload in (u for page in pages for u in page.get("Uploads", [])):
+            self._call(self.client.abort_multipart_upload, None, Key=upload["Key"], UploadId=upload["UploadId"])
+            aborted.append(upload["Key"][len(f"{self.prefix}/") if self.prefix else 0:])
+        return aborted
+
     def checksum(self, key: str) -> str | None:
         """The sha256 the uploader stored as metadata (S3 verified the bytes against it when they arrived)."""
         head = self._call(self.client.head_object, key)
