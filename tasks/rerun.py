@@ -19,7 +19,7 @@ from prefect.events import emit_event
 from prefect.states import Failed, State
 
 from .board import run_key
-from .failures import NOT_LAUNCHED, Failure, grouped, report, same_cause, summary
+from .failures import NOT_LAUNCHED, Failure, grouped, report, same_cause, shard_list, summary
 from .plan import Plan, RunIncomplete
 
 RERUN_EVENT = "extract.run.incomplete"
@@ -87,18 +87,24 @@ def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure],
     if failures and same_cause(launched) and not any(v == "done" for v in shards.values()):
         plan.attempts.forgive([f.shard for f in launched if f.retryable])
         failures = {k: replace(f, retryable=False) if f in launched else f for k, f in failures.items()}
-    failed = [s for s in plan.requested if shards[str(s)] not in ("done", "done (already complete)")]
+    ended = [s for s in plan.requested if shards[str(s)] not in ("done", "done (already complete)")]
+    stopped = [s for s in ended if shards[str(s)] in ("stopped", "cancelled")]  # on purpose: not failures
+    failed = [s for s in ended if s not in stopped]
     mistakes = sorted({f.shard for f in failures.values() if f.shard is not None and not f.retryable} & set(failed))
     rerun = [s for s in failed if s not in mistakes and plan.attempts.get(s).failed_attempts < params["max_attempts"]]
     capped = sorted(set(failed) - set(rerun) - set(mistakes))
     fix = "not retried (a re-run cannot fix this): fix it, then run again"
-    if mistakes and not rerun and not capped:
-        note = fix
+    if (mistakes or stopped) and not rerun and not capped:
+        note = fix if mistakes else ""
     else:
         note = request_rerun(plan, params, rerun, capped, log) + (f"; shard(s) {mistakes} {fix}" if mistakes else "")
+    if stopped:
+        note = "; ".join(filter(None, [note, f"shard(s) {shard_list(stopped)} stopped on purpose: not re-run until "
+                                             f"a person starts the run again"]))
     head = f"run {plan.run}: {len(failed)} of {len(plan.requested)} shard(s) failed; {note}"
     if not failed:
-        head = f"run {plan.run}: every shard is done, but {len(failures)} host(s) failed; {note}"
+        head = (f"run {plan.run}: {note}" if stopped else
+                f"run {plan.run}: every shard is done, but {len(failures)} host(s) failed; {note}")
     return _verdict(plan, head, list(failures.values()), log)
 
 

@@ -217,7 +217,9 @@ def test_one_shard_stopped_by_hand_fails_the_run_naming_it_and_only_a_person_run
     first.join(timeout=300)
     state = ended["state"]
     assert state.is_failed() and "shard 1/2" in state.message and "stopped" in state.message, state.message
-    assert "re-run requested" not in state.message, state.message
+    assert "re-run requested" not in state.message and "cannot fix" not in state.message, state.message
+    assert state.message.startswith(f"run {run}: shard(s) 1 stopped on purpose: not re-run until a person"), \
+        state.message
     exits = {d: w["exit"] for d, w in workers(tmp_path, run).items()}
     assert exits["shard-00001-of-00002"]["stop"] == "stopped" and exits["shard-00000-of-00002"]["code"] == 0
     record = tmp_path / "out" / "_runs" / run / "attempts.json"
