@@ -1,6 +1,6 @@
 """The fault and abuse matrix: every injected fault against the real system, and how each one ended.
 
-    .venv/bin/python benchmarks/fault_matrix.py [--fast] [--only NAME[,NAME...]] [--markdown FILE]
+    .venv/bin/python benchmarks/fault_matrix.py [--fast] [--group GROUP] [--only NAME[,NAME...]] [--markdown FILE]
 
 Real sshd hosts (two in network namespaces, one on loopback), a real S3 endpoint (moto) behind a fault proxy,
 a real Prefect server (and for the orchestrator rows a `prefect server start` + `prefect worker start` of their
@@ -20,8 +20,9 @@ A row passes when observed matches expected (and the reason holds the expected w
 completes (where a run had something to re-run), lost == dup == left == 0. `--fast` is the subset CI runs
 (tests/integration/test_fault_matrix.py). The process exits 1 if any row fails.
 
-The rows live in tests/harness/faults/ (the test harness): hostrows (deploy, launch, run), storagerows, datarows, orchestrator
-(a served Prefect server, deployment and worker), abuse (injection, object keys, confinement, modes, secrets).
+The rows live in tests/harness/faults/ (the test harness): hostrows (deploy, launch, run), storagerows, datarows,
+orchestrator (a served Prefect server, deployment and worker), cancelrows (each cancel path, and a cancel at each
+point of a run), abuse (injection, object keys, confinement, modes, secrets).
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ from hsextract import tiny
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fast", action="store_true", help="only the rows CI runs")
+    ap.add_argument("--group", help="only the rows of this group (deploy, launch, run, storage, orchestrator, "
+                                    "cancel, data, abuse)")
     ap.add_argument("--only", help="comma-separated row names")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
-    rows = [r for r in ROWS if (not args.fast or r.fast) and (not args.only or r.name in args.only.split(","))]
+    rows = [r for r in ROWS if (not args.fast or r.fast) and (not args.only or r.name in args.only.split(","))
+            and (not args.group or r.group == args.group)]
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # here, not at import: the tests import this
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from moto.server import ThreadedMotoServer

@@ -168,8 +168,12 @@ class Cancel:
 
     def finish(self, wait_s: float) -> list[HostStop]:
         self.begin(self.why or "cancelled")
+        first = {stop.host: stop for stop in self.stops}
         self.stops = stop_workers(self.inventory, self.run, "cancelled", self._request(), self.grace_s,
                                   wait_s=wait_s)
+        for stop in self.stops:  # a worker the first stop signalled may have ended before this one looked
+            if stop.host in first:
+                stop.signalled = {**first[stop.host].signalled, **stop.signalled}
         for stop in self.stops:
             (self.log.warning if stop.error or stop.alive else self.log.info)("run %s: %s", self.run, stop.describe())
         return self.stops
@@ -271,7 +275,7 @@ def cancelled(plan, board, cancel: Cancel | None, exc: BaseException, log):
     stops = cancel.finish(min(cancel.grace_s + 10.0, 20.0) if runner else cancel.grace_s + 10.0)
     signalled = sum(len(s.signalled) for s in stops)
     left = [f"{s.host}: {', '.join(sorted(s.alive))}" for s in stops if s.alive]
-    unreached = [f"{s.host} ({s.error})" for s in stops if s.error]
+    unreached = [f"{s.host} ({s.error.split(' (so `')[0]})" for s in stops if s.error]  # the logs hold the command
     if board is not None:
         for shard, row in sorted(board.rows.items()):
             if row.state not in ("done", "complete", "capped", "cancelled", "stopped"):

@@ -109,6 +109,7 @@ class Driver:
         """The shard's summary when it is done, "cancelled" / "stopped" when it ended on purpose; its task's
         error otherwise (after the board heard of it)."""
         board, inventory, deadlines = self.board, self.plan.inventory, self.plan.deadlines
+        phase = "launching"
         try:
             if self.cancelled:
                 raise ShardStopped("cancelled", "the flow run is being cancelled: not launched")
@@ -117,6 +118,7 @@ class Driver:
             board.set_state(job.shard, "running", "adopted" if launched.adopted else "launched", pid=launched.pid,
                             adopted=launched.adopted, seconds_to_proof=launched.seconds)
             self._proved()
+            phase = "running"
             summary = supervise(job, launched, inventory, deadlines,
                                 on_probe=lambda beat, age: board.beat(job.shard, beat, age),
                                 cancel=self.cancel.event if self.cancel is not None else None)
@@ -130,6 +132,11 @@ class Driver:
             return stopped.kind
         except Exception as exc:
             failure = failure_of(job, exc)
+            if self.cancelled:  # its launch or worker killed by the cancel's stop: no failure, no attempt counted
+                why = f"the flow run was cancelled while this shard was {phase}: {failure.why}"
+                board.set_state(job.shard, "cancelled", why)
+                self.log.warning("%s cancelled: %s", job.label, why)
+                return "cancelled"
             board.set_state(job.shard, "failed", failure.why, retryable=failure.retryable)
             self.log.error("%s failed: %s%s", job.label, failure.why,
                            "" if failure.retryable else " (not retried: a re-run cannot fix this)")

@@ -380,7 +380,7 @@ def load_tokenizer(model_dir: Path):
 
 
 #: on a stop, how long a worker lets its uploads in flight finish (at most half the stop request's grace)
-UPLOAD_STOP_WAIT_S = 10.0
+UPLOAD_STOP_WAIT_S = 5.0
 
 
 def install_signal_handlers(shard: ShardRun) -> None:

@@ -33,9 +33,10 @@ def data(tmp_path_factory) -> Path:
     return tiny.build_dataset(tmp_path_factory.mktemp("canceldata") / "chat.jsonl", 320, seed=11)
 
 
-def params(tiny_model, data, tmp_path: Path, run: str, **extra) -> dict:
-    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0, 1],
-                                                       "workdir": str(tmp_path / "w"), "python": sys.executable}])
+def params(tiny_model, data, tmp_path: Path, run: str, python: str = sys.executable, **extra) -> dict:
+    hosts = write_inventory(tmp_path / f"hosts-{Path(python).name}.yaml",
+                            [{"name": "local", "hostname": "local", "gpus": [0, 1], "workdir": str(tmp_path / "w"),
+                              "python": python}])
     return {"model": str(tiny_model), "data": str(data), "output": f"file://{tmp_path / 'out'}",
             "hosts": str(hosts), "layers": "1,3", "run_name": run, **FAST, **extra}
 
@@ -144,6 +145,50 @@ def test_a_direct_call_that_is_signalled_stops_its_workers_ends_cancelled_and_re
     assert not (out / "_runs" / run / "cancelled.json").exists(), "a run by hand clears the mark"
     ids = Counter(s["id"] for s in hsextract.read_samples(out, verify=True))
     assert ids == Counter(dataset_ids(data)), "every sample exactly once after the cancel"
+
+
+def test_a_cancel_while_the_workers_are_launched_kills_them_and_counts_no_attempt(prefect_server, tiny_model, data,
+                                                                                  tmp_path):
+    """SIGINT while both launches wait for their workers (an interpreter that holds before it runs the worker):
+    the stop kills what was launched, the launches that fail of it count no failed attempt, the run ends
+    Cancelled, and a run by hand (the real interpreter) does it all, every sample once."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.extract import extract
+
+    run, hold, reached = "cancel-launch", tmp_path / "hold", tmp_path / "reached"
+    hold.touch()
+    held = tmp_path / "python-held"
+    held.write_text(f"#!/bin/sh\nif [ \"$3\" = extract ]; then touch {reached}; while [ -e {hold} ]; do sleep 0.1; "
+                    f"done; fi\nexec {sys.executable} \"$@\"\n")
+    held.chmod(0o755)
+    p = params(tiny_model, data, tmp_path, run, python=str(held))
+    code = "import json, sys; from flows.extract import extract; extract(**json.loads(sys.argv[1]))"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    log = tmp_path / "caller.log"
+    caller = subprocess.Popen([sys.executable, "-c", code, json.dumps(p)], cwd=ROOT, env=env,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers(tmp_path, run)) < 2 or not reached.exists():
+            assert caller.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        caller.send_signal(signal.SIGINT)
+        caller.wait(timeout=120)
+    finally:
+        hold.unlink()
+    said = log.read_text()
+    assert not any(w["alive"] for w in workers(tmp_path, run).values()), (workers(tmp_path, run), said[-3000:])
+    state = flow_run_of(run).state
+    assert state.is_cancelled(), (state, said[-3000:])
+    record = tmp_path / "out" / "_runs" / run / "attempts.json"
+    attempts = json.loads(record.read_text()) if record.exists() else {}
+    assert all(a["failed_attempts"] == 0 for a in attempts.values()), attempts
+    again = extract(return_state=True, **params(tiny_model, data, tmp_path, run))
+    assert again.is_completed(), again.message
+    ids = Counter(s["id"] for s in hsextract.read_samples(tmp_path / "out", verify=True))
+    assert ids == Counter(dataset_ids(data))
 
 
 def test_a_served_deployment_cancelled_stops_its_workers_and_ends_cancelled(prefect_server, tiny_model, data,

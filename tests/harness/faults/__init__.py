@@ -9,10 +9,10 @@ from __future__ import annotations
 import signal
 import sys
 
-from . import abuse, datarows, hostrows, orchestrator, storagerows
+from . import abuse, cancelrows, datarows, hostrows, orchestrator, storagerows
 from .lab import Row
 
-H, S, D, O, A = hostrows, storagerows, datarows, orchestrator, abuse
+H, S, D, O, A, C = hostrows, storagerows, datarows, orchestrator, abuse, cancelrows
 ROWS = [
     Row("baseline", "clean", "no fault: two hosts, two shards", "Completed", (), H.clean_run),
     Row("deploy", "put_fails", "workdir's parent is a file: the bundle put fails", "Failed",
@@ -71,6 +71,22 @@ ROWS = [
         ("no heartbeat", "adopted the same worker pids"), O.orchestrator_killed),
     Row("orchestrator", "server_restart", "`prefect server` stopped and started again mid-run", "Completed", (),
         O.server_restarted),
+    Row("cancel", "cancel_worker", "`prefect flow-run cancel` (the UI's Cancel) of a run of a process worker, "
+        "extracting", "Cancelled", ("2 worker(s) told to stop",), C.cancel_row("worker", "extracting")),
+    Row("cancel", "cancel_served", "`prefect flow-run cancel` of a run served by `extract.serve()`, extracting",
+        "Cancelled", ("2 worker(s) told to stop",), C.cancel_row("served", "extracting")),
+    Row("cancel", "cancel_sigint", "Ctrl-C (SIGINT) on a direct `extract(...)` call, extracting", "Cancelled",
+        ("SIGINT",), C.cancel_row("sigint", "extracting")),
+    Row("cancel", "cancel_sigterm", "SIGTERM to a direct `extract(...)` call, extracting", "Cancelled",
+        ("SIGTERM",), C.cancel_row("sigterm", "extracting")),
+    Row("cancel", "cancel_deploy", "the UI's Cancel while the code is deployed to the hosts", "Cancelled", (),
+        C.cancel_row("worker", "deploy")),
+    Row("cancel", "cancel_launch", "the UI's Cancel while the workers are launched", "Cancelled", (),
+        C.cancel_row("worker", "launch")),
+    Row("cancel", "cancel_uploading", "the UI's Cancel while uploads to S3 (a slow link) are under way",
+        "Cancelled", ("file(s) uploaded",), C.cancel_row("worker", "uploading")),
+    Row("cancel", "cancel_unreachable", "the UI's Cancel while h1 is cut off (its worker held alive)", "Cancelled",
+        ("h1", "stopped by the run by hand"), C.cancel_row("worker", "unreachable")),
     Row("data", "bad_lines", "malformed, empty, assistant-less, over-long lines and a repeated id", "Completed",
         ("2 skipped with a reason",), D.bad_lines, fast=True),
     Row("data", "missing_weights", "the model dir lacks a weights file", "Failed", ("safetensors",),
