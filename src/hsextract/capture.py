@@ -27,7 +27,8 @@ def _decoder_backbone(model: nn.Module) -> nn.Module:
 class LayerCapture:
     """A loaded model plus hooks that write the chosen layers' outputs for real tokens into one buffer."""
 
-    def __init__(self, model_dir: Path, layer_ids: list[int], include_last: bool, device: str, dtype: torch.dtype):
+    def __init__(self, model_dir: Path, layer_ids: list[int], include_last: bool, device: str, dtype: torch.dtype,
+                 random_weights: int | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -43,12 +44,18 @@ class LayerCapture:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         keep = self.info.num_layers if include_last else max(layer_ids) + 1
         _truncate_layers(config.get_text_config(), keep)
-        try:
-            model, loading = AutoModelForCausalLM.from_pretrained(
-                model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
-            )
-        except OSError as exc:  # no weights, or a shard file named by the index is missing
-            raise UsageError(f"--model {str(model_dir)!r}: cannot load weights: {exc}") from None
+        if random_weights is not None:  # no checkpoint read: made where it runs, from the seed
+            torch.manual_seed(random_weights)
+            with torch.device(self.device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            loading = {"missing_keys": []}
+        else:
+            try:
+                model, loading = AutoModelForCausalLM.from_pretrained(
+                    model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
+                )
+            except OSError as exc:  # no weights, or a shard file named by the index is missing
+                raise UsageError(f"--model {str(model_dir)!r}: cannot load weights: {exc}") from None
         missing = [k for k in loading["missing_keys"] if "lm_head" not in k]
         if missing:
             raise UsageError(

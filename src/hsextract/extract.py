@@ -99,13 +99,19 @@ class ShardRun:
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
         device = resolve_device(opts.device)
-        capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, resolve_dtype(opts.dtype, device))
+        if opts.random_weights is not None:
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: --random-weights {opts.random_weights}: "
+                  f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
+                  flush=True)
+        capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, resolve_dtype(opts.dtype, device),
+                                    random_weights=opts.random_weights)
         encoder = ChatEncoder(load_tokenizer(opts.model), capture.info.vocab_size, opts.max_length, opts.overlong)
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
             "hidden_size": str(capture.hidden_size), "num_model_layers": str(capture.info.num_layers),
             "dtype": str(capture.dtype).removeprefix("torch."), "hsextract_version": __version__,
             **({"hidden_states_encoding": FP8_ENCODING} if opts.out_dtype == "fp8_e4m3" else {}),
+            **({"random_weights": str(opts.random_weights)} if opts.random_weights is not None else {}),
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()

@@ -58,6 +58,10 @@ class WorkerOptions:
         "stored states: auto (the model's dtype, lossless) or fp8_e4m3 (half of bf16, lossy: a scale per token "
         "and layer; the reader returns bf16)", choices=OUT_DTYPES))
     include_last: bool = field(default=False, metadata=option("also store the final normed hidden state"))
+    random_weights: int | None = field(default=None, metadata=option(
+        "build the model from --model's config.json with random weights (this seed, made on the device) instead "
+        "of loading its weights: for benchmarks and for checking a host before the weights arrive; the states "
+        "are of no real model (their files say so)", metavar="SEED"))
     status_dir: Path | None = field(default=None, metadata=option("heartbeat/exit files (default: shard dir)"))
     heartbeat_interval: float = field(default=2.0, metadata=option("seconds between heartbeats"))
     log_interval: float = field(default=30.0, metadata=option("seconds between log lines (no terminal)"))

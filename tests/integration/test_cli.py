@@ -88,6 +88,35 @@ def test_missing_weights_named(tiny_model, dataset, tmp_path):
     assert proc.returncode == 2 and str(broken) in proc.stderr, proc.stderr
 
 
+def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tiny_model, dataset, tmp_path):
+    """--random-weights SEED: a model directory without weights extracts (the states of a model made from the
+    config and the seed), the same seed gives the same states, another seed others, and the files say so."""
+    bare = tmp_path / "config-only"
+    shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("*.safetensors*"))
+    assert not list(bare.glob("*.safetensors"))
+
+    def states(seed: int, out: str) -> tuple[dict, str]:
+        proc = run_extract(bare, dataset, tmp_path / out, 0, 1, "--token-budget", "512", "--random-weights",
+                           str(seed), layers="1,3")
+        assert proc.returncode == 0, proc.stderr
+        assert f"--random-weights {seed}" in proc.stderr and "states are of a random model" in proc.stderr
+        found = {s["id"]: s["hidden_states"] for s in hsextract.read_samples(tmp_path / out, verify=True)}
+        first = next((tmp_path / out).rglob("batch-*.safetensors"))
+        from safetensors import safe_open
+
+        with safe_open(str(first), "pt") as handle:
+            return found, handle.metadata().get("random_weights")
+
+    one, seed_said = states(7, "a")
+    again, _ = states(7, "b")
+    other, _ = states(8, "c")
+    assert seed_said == "7" and len(one) == len(set(json.loads(l)["id"] for l in dataset.read_text().splitlines()))
+    assert all(torch.equal(one[i], again[i]) for i in one)
+    assert not any(torch.allclose(one[i], other[i]) for i in one)
+    proc = run_extract(bare, dataset, tmp_path / "d", 0, 1, layers="1,3")  # without the flag: the weights are needed
+    assert proc.returncode == 2 and "cannot load weights" in proc.stderr, proc.stderr
+
+
 def test_second_writer_of_a_shard_is_refused(tiny_model, dataset, tmp_path):
     out = tmp_path / "out"
     first = subprocess.Popen(extract_cmd(tiny_model, dataset, out, 0, 1, "--token-budget", "128"),
