@@ -221,8 +221,10 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
     return figures
 
 
-def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *extra: str) -> dict:
-    """`hsextract extract` over the whole dataset (random weights, SEED); its batch files are deleted once
+def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *extra: str,
+           random_weights: bool = True) -> dict:
+    """`hsextract extract` over the whole dataset (random weights, SEED, unless `random_weights` is False:
+    then the checkpoint in `model_dir`); its batch files are deleted once
     journaled, so the disk never holds more than a few. Its summary, with `steady` (tok/s after its first
     file) and `first_file_s` (process start to the first file journaled) added."""
     import threading
@@ -230,7 +232,7 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *ex
     cmd = [sys.executable, "-m", "hsextract", "extract", "--model", str(model_dir), "--data", str(data),
            "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", "cuda",
            "--token-budget", str(budget), "--progress", "log", "--max-length", "4096",
-           "--random-weights", str(SEED), *extra]
+           *(("--random-weights", str(SEED)) if random_weights else ()), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     began = time.time()
     done = threading.Event()
