@@ -437,9 +437,12 @@ def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=N
         if shard.uploader is not None:  # uploads in flight may finish, well within the grace before SIGKILL
             grace = (request or {}).get("grace_s")
             wait = min(UPLOAD_STOP_WAIT_S, float(grace) / 2) if isinstance(grace, (int, float)) else UPLOAD_STOP_WAIT_S
-            left = shard.uploader.stop(wait)
-            reason += f"; {shard.uploader.files_uploaded} file(s) uploaded" + (
-                f", {left} upload(s) cut short (the next run sends them again)" if left else "")
+            try:
+                left = shard.uploader.stop(wait)
+                reason += f"; {shard.uploader.files_uploaded} file(s) uploaded" + (
+                    f", {left} upload(s) cut short (the next run sends them again)" if left else "")
+            except Exception as error:  # noqa: BLE001 - the stop stands; the next run mirrors the journal
+                reason += f"; the journal's mirror in the store failed ({type(error).__name__}: {error})"
     except ShardIncomplete as exc:
         code, reason = 3, str(exc)
     except Exception as exc:
