@@ -245,7 +245,7 @@ def test_a_worker_stopped_while_uploading_finishes_its_uploads_in_flight_and_the
         while len(list(shard.glob("batch-*.safetensors"))) < 6:  # a backlog: more queued than in flight
             assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
-        (status / "stop.json").write_text(json.dumps({"stop": "cancelled", "why": "test", "grace_s": 8}))
+        (status / "stop.json").write_text(json.dumps({"stop": "cancelled", "why": "test", "grace_s": 20}))
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=30)
     finally:
@@ -260,9 +260,15 @@ def test_a_worker_stopped_while_uploading_finishes_its_uploads_in_flight_and_the
     stored = {o["Key"].rsplit("/", 1)[1] for o in client.list_objects_v2(Bucket=bucket, Prefix="c/")["Contents"]
               if "/batch-" in o["Key"]}
     assert waiting and set(waiting) <= set(journaled), (waiting, journaled)  # nothing lost: queued, journaled
-    assert stored and not stored & set(waiting) and stored | set(waiting) == set(journaled), (stored, waiting)
+    assert stored and stored | set(waiting) == set(journaled), (stored, waiting, journaled)
+    # an upload the stop cut short after its PUT (a loaded machine) left its object stored but its file waiting,
+    # unnamed by the mirrored journal: the next run sends it again; nothing else may be in both
+    cut = int(record["reason"].split(" upload(s) cut short")[0].rsplit(", ", 1)[1]) \
+        if "cut short" in record["reason"] else 0
+    assert len(stored & set(waiting)) <= cut, (stored & set(waiting), record["reason"])
     mirrored = client.get_object(Bucket=bucket, Key="c/shard-00000-of-00001/journal.jsonl")["Body"].read().decode()
-    assert {json.loads(l)["file"] for l in mirrored.splitlines() if '"kind":"file"' in l} == stored
+    named = {json.loads(l)["file"] for l in mirrored.splitlines() if '"kind":"file"' in l}
+    assert named <= stored and len(stored - named) <= cut, (named, stored, waiting)
 
     # what a worker killed mid-part leaves: an unfinished multipart upload under the shard's prefix
     left = client.create_multipart_upload(Bucket=bucket, Key=f"c/shard-00000-of-00001/{waiting[0]}")["UploadId"]
