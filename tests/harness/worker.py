@@ -31,3 +31,11 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
 
 def dataset_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (nobody here reaps the workers' orphans: a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -21,7 +21,7 @@ import hsextract
 from hsextract import tiny
 
 from harness.inventory import write_inventory
-from harness.worker import dataset_ids
+from harness.worker import dataset_ids, running
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
@@ -50,12 +50,8 @@ def workers(tmp_path: Path, run: str) -> dict[str, dict]:
             pid = int((control / "pid").read_text())
         except (OSError, ValueError):  # being launched
             continue
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
-        except OSError:
-            state = None
         exit_file = control / "exit.json"
-        found[control.name] = {"pid": pid, "alive": state not in (None, "Z"),
+        found[control.name] = {"pid": pid, "alive": running(pid),
                                "exit": json.loads(exit_file.read_text()) if exit_file.exists() else None}
     return found
 

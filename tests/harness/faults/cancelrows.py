@@ -24,18 +24,11 @@ from .orchestrator import Served, served
 from .storagerows import Store
 
 from harness.prefect import flow_runs_for, wait_until
+from harness.worker import running
 
 GRACE_S = 30.0     # cancel_grace_s of every row: the goal is no worker within it + 10 s (15 s when it honours SIGTERM)
 WATCH_S = 60.0     # after the cancel, nothing may start a flow run for this long
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _proc_alive(pid: int) -> bool:
-    """A process that runs (a zombie has ended: nobody here reaps the workers' orphans)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class CancelRun:
@@ -123,7 +116,7 @@ class CancelRun:
         for control in self.control_dirs():
             with contextlib.suppress(OSError, ValueError):
                 pid = int((control / "pid").read_text())
-                if _proc_alive(pid):
+                if running(pid):
                     live[f"{control.parent.parent.parent.name}/{control.name}"] = pid
         return live
 
@@ -308,11 +301,11 @@ class _Death:
         import threading
 
         self.pid, self.since, self.ended = pid, time.time(), None
-        if pid is not None and _proc_alive(pid):
+        if pid is not None and running(pid):
             threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
-        while _proc_alive(self.pid):
+        while running(self.pid):
             time.sleep(0.1)
         self.ended = time.time()
 
