@@ -115,15 +115,24 @@ def timed(fn, reps: int = 1) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: bool = False
-                     ) -> tuple[float, float, int, float]:
-    """(bare tok/s, capture tok/s, non-embedding parameters, seconds to make the model on the GPU)."""
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: bool = False,
+                     compiled: bool = False) -> dict:
+    """The bare forward (the GPU ceiling, with the kernels the worker uses) and the capture, on the same model and
+    batches; side by side, the bare forward with transformers' reference causal convolution and, with
+    `compiled`, with every decoder layer under torch.compile (dynamic shapes), each with its largest relative
+    error against the worker's kernels on the first batch's last layer. Returns tok/s figures and more."""
+    from hsextract.kernels import restore_reference_conv, use_fla_conv
+
     tokens = sum(len(s) for b in packed for s in b)
     began = time.perf_counter()
     capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16, random_weights=SEED)
     torch.cuda.synchronize()
-    made_s = time.perf_counter() - began
-    params = sum(p.numel() for name, p in capture.backbone.named_parameters() if "embed_tokens" not in name)
+    out = {"made_s": time.perf_counter() - began, "kernels": capture.kernels}
+    out["params"] = sum(p.numel() for name, p in capture.backbone.named_parameters() if "embed_tokens" not in name)
 
     def one(batch):
         width = max(len(s) for s in batch)
@@ -133,13 +142,16 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         return ids.cuda(non_blocking=True)
 
     inputs = [one(b) for b in packed]
-
     hooks = {i: dict(capture.backbone.layers[i]._forward_hooks) for i in layer_ids}
 
     @torch.inference_mode()
     def run_bare():
         for ids in inputs:
             capture.backbone(input_ids=ids, use_cache=False)
+
+    @torch.inference_mode()
+    def first_state():
+        return capture.backbone(input_ids=inputs[0], use_cache=False).last_hidden_state
 
     @torch.inference_mode()
     def run_capture():
@@ -151,13 +163,39 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     for i in layer_ids:
         capture.backbone.layers[i]._forward_hooks.clear()
     run_bare()
-    bare_s = timed(run_bare)
+    out["bare"] = tokens / timed(run_bare)
+    want = first_state()
+    variants = {}
+    if capture.kernels:  # the worker switched the convolution to fla's kernel: the reference, side by side
+        restore_reference_conv(capture.backbone)
+        run_bare()
+        variants["reference causal_conv1d (transformers' PyTorch path)"] = (
+            tokens / timed(run_bare), rel_err(first_state(), want), 0.0)
+        use_fla_conv(capture.backbone, capture.device)
+    if compiled:
+        try:
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            for layer in capture.backbone.layers:
+                layer.compile(dynamic=True)
+            started = time.perf_counter()
+            run_bare()  # compiles: every layer type, then the shapes as dynamic
+            torch.cuda.synchronize()
+            warm = time.perf_counter() - started
+            variants["torch.compile per decoder layer (dynamic)"] = (
+                tokens / timed(run_bare), rel_err(first_state(), want), warm)
+        except Exception as exc:  # noqa: BLE001 - a measurement: say why it could not be made
+            print(f"torch.compile failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+        for layer in capture.backbone.layers:
+            layer._compiled_call_impl = None
+    out["variants"] = variants
     if bare_only:
-        return tokens / bare_s, 0.0, params, made_s
+        return out
     for i, h in hooks.items():
         capture.backbone.layers[i]._forward_hooks.update(h)
-    capture_s = timed(run_capture)
-    return tokens / bare_s, tokens / capture_s, params, made_s  # model and inputs are freed on return
+    out["capture"] = tokens / timed(run_capture)
+    return out  # model and inputs are freed on return
 
 
 def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str, float]:
@@ -318,6 +356,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="where files go (default: a temp dir); the sink")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--fp8", action="store_true", help="also run the worker with --out-dtype fp8_e4m3")
+    ap.add_argument("--compile", action="store_true",
+                    help="also measure the bare forward with every decoder layer under torch.compile")
     ap.add_argument("--worker-only", action="store_true",
                     help="only the worker (and with --fp8 its fp8 run): summaries, steady state, stage timings")
     ap.add_argument("--oom-budget", type=int, default=0,
@@ -346,15 +386,23 @@ def main() -> int:
     real = sum(len(s) for b in every for s in b)
     padded = sum(padded_tokens(b) for b in every)
     packed = every[:args.ceiling_batches]  # the ceilings are rates: measured over the first batches
-    bare_tps, capture_tps, params, made_s = bare_and_capture(model_dir, layer_ids, packed, args.bare_only)
+    ceilings = bare_and_capture(model_dir, layer_ids, packed, args.bare_only, args.compile)
+    bare_tps, capture_tps, params, made_s = (ceilings["bare"], ceilings.get("capture", 0.0), ceilings["params"],
+                                             ceilings["made_s"])
     mfu = 2 * params * bare_tps / (args.peak_tflops * 1e12)
     torch.cuda.empty_cache()
-    print(f"model made on the GPU in {made_s:.1f}s ({params / 1e9:.2f}B non-embedding parameters); bare forward "
-          f"{bare_tps:,.0f} tok/s over {len(packed)} batches = {2 * params * bare_tps / 1e12:.0f} TFLOP/s, MFU "
-          f"{mfu:.3f} of {args.peak_tflops:g}; capture {capture_tps:,.0f} tok/s", flush=True)
+    print(f"model made on the GPU in {made_s:.1f}s ({params / 1e9:.2f}B non-embedding parameters); kernels switched: "
+          f"{ceilings['kernels'] or 'none'}; bare forward {bare_tps:,.0f} tok/s over {len(packed)} batches = "
+          f"{2 * params * bare_tps / 1e12:.0f} TFLOP/s, MFU {mfu:.3f} of {args.peak_tflops:g}; capture "
+          f"{capture_tps:,.0f} tok/s", flush=True)
+    for name, (tps, err, warm) in ceilings["variants"].items():
+        print(f"  bare forward, {name}: {tps:,.0f} tok/s, MFU {2 * params * tps / (args.peak_tflops * 1e12):.3f}, "
+              f"{tps / bare_tps:.3f}x the worker's kernels; last layer rel err vs them {err:.2e}"
+              + (f"; warm-up (compiles) {warm:.0f}s" if warm else ""), flush=True)
     if args.bare_only:
         if args.json:
-            args.json.write_text(json.dumps({"bare": bare_tps, "params": params, "mfu": mfu, "made_s": made_s}))
+            args.json.write_text(json.dumps({"bare": bare_tps, "params": params, "mfu": mfu, "made_s": made_s,
+                                             "variants": ceilings["variants"]}))
         shutil.rmtree(work, ignore_errors=True)
         return 0
     bf16_bytes, fp8_bytes = width * 2, width + 4 * len(layer_ids)  # fp8: e4m3 + a float32 scale per layer
@@ -419,6 +467,7 @@ def main() -> int:
         args.json.write_text(json.dumps({"bare": bare_tps, "mfu": mfu, "params": params, "made_s": made_s,
                                          "capture": capture_tps, "sink": disk, "worker": worker_tps,
                                          "naive": naive_tps, "ratio": worker_tps / ceiling, "steady": steady_tps,
+                                         "variants": ceilings["variants"], "kernels": ceilings["kernels"],
                                          "summary": summary, "fp8": fp8, "oom": oom}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0

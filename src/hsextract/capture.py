@@ -7,12 +7,14 @@ is causal, so pad tokens after a sample never change its states, and no attentio
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .errors import UsageError
+from .kernels import use_fla_conv
 from .preflight import read_model_info
 
 
@@ -41,6 +43,7 @@ class LayerCapture:
         self.device = torch.device(device)
         self.dtype = dtype
         self.hidden_size = self.info.hidden_size
+        self.load_path = "made on the device from the seed" if random_weights is not None else ""
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         keep = self.info.num_layers if include_last else max(layer_ids) + 1
         _truncate_layers(config.get_text_config(), keep)
@@ -50,9 +53,14 @@ class LayerCapture:
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             loading = {"missing_keys": []}
         else:
+            # straight from the files to the GPU where transformers can (it needs accelerate for that);
+            # else into host memory first, then copied over
+            direct = self.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
+            self.load_path = "direct to the device" if direct else "through host memory"
             try:
                 model, loading = AutoModelForCausalLM.from_pretrained(
-                    model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
+                    model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
+                    **({"device_map": str(self.device)} if direct else {}),
                 )
             except OSError as exc:  # no weights, or a shard file named by the index is missing
                 raise UsageError(f"--model {str(model_dir)!r}: cannot load weights: {exc}") from None
@@ -63,6 +71,7 @@ class LayerCapture:
                 f"e.g. {missing[:3]} (incomplete download or a missing shard file?)"
             )
         self.backbone = _decoder_backbone(model).to(self.device).eval()
+        self.kernels = use_fla_conv(self.backbone, self.device)
         del model  # drops lm_head (unless tied to the embeddings)
         self._out: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
@@ -85,19 +94,24 @@ class LayerCapture:
 
     @torch.inference_mode()
     def run(self, samples: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Forward one right-padded batch; returns states of real tokens only, concatenated in order."""
+        """Forward one right-padded batch; returns states of real tokens only, concatenated in order.
+
+        Nothing here waits for the device: the inputs go over from pinned memory on the same stream, so
+        the host queues this batch while the previous one still runs (no idle gap between batches)."""
         lengths = [len(s) for s in samples]
         width_T = max(lengths)
-        ids_BT = torch.zeros(len(samples), width_T, dtype=torch.long)
+        pinned = self.device.type == "cuda"
+        ids_BT = torch.zeros(len(samples), width_T, dtype=torch.long, pin_memory=pinned)
         for row, sample in enumerate(samples):
             ids_BT[row, : len(sample)] = torch.tensor(sample, dtype=torch.long)
         lengths_B = torch.tensor(lengths)
         valid_BT = torch.arange(width_T)[None, :] < lengths_B[:, None]
-        rows_T = valid_BT.reshape(-1).nonzero().squeeze(1).to(self.device)
+        rows_T = valid_BT.reshape(-1).nonzero().squeeze(1)
+        rows_T = (rows_T.pin_memory() if pinned else rows_T).to(self.device, non_blocking=True)
         self._rows = rows_T
         self._out = torch.empty(len(rows_T), self.width, dtype=self.dtype, device=self.device)
         try:
-            result = self.backbone(input_ids=ids_BT.to(self.device), use_cache=False)
+            result = self.backbone(input_ids=ids_BT.to(self.device, non_blocking=True), use_cache=False)
             out = {"hidden_states": self._out}
             if self.include_last:
                 last_BTH = result.last_hidden_state

@@ -49,6 +49,7 @@ class ShardRun:
         self.uploader = None  # BackgroundUploader when the output is s3://
         self.extract_ended: float | None = None
         self.drain_s = 0.0  # waiting for the uploader after the last batch
+        self.load_s: float | None = None  # making the model (read or built) and putting it on the device
         self.pipeline: dict = {}  # BatchWriter.timings() of the extraction loop
 
     # -- set-up ---------------------------------------------------------------------------------------
@@ -103,8 +104,13 @@ class ShardRun:
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: --random-weights {opts.random_weights}: "
                   f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
                   flush=True)
+        started = time.monotonic()
         capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, resolve_dtype(opts.dtype, device),
                                     random_weights=opts.random_weights)
+        self.load_s = time.monotonic() - started
+        how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
+        print(f"hsextract: shard {opts.shard}/{opts.num_shards}: model loaded in {self.load_s:.1f}s on {device}"
+              + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
         encoder = ChatEncoder(load_tokenizer(opts.model), capture.info.vocab_size, opts.max_length, opts.overlong)
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
@@ -115,7 +121,8 @@ class ShardRun:
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
-        writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None)
+        writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
+                             bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget)
         try:
             for batch in pack(self.encoded(encoder, pending), opts.token_budget, opts.sort_window):
                 if self.stop_signal:
@@ -131,6 +138,17 @@ class ShardRun:
         if self.stop_signal:
             raise Interrupted(self.stop_signal)
         return self.finish()
+
+    def bytes_per_token(self, capture: LayerCapture) -> int:
+        """Host bytes a token's states take on their way to a file (what a pinned set is sized from)."""
+        element = torch.empty(0, dtype=capture.dtype).element_size()
+        if self.opts.out_dtype == "fp8_e4m3":
+            per = capture.width + 4 * len(capture.layer_ids)  # e4m3 values + a float32 scale per layer
+        else:
+            per = capture.width * element
+        if capture.include_last:
+            per += capture.hidden_size * element
+        return per + 1  # the non-finite flags: one per sample, at most one per token
 
     def start_uploader(self) -> None:
         """With an s3:// output: take the store's journals into the spool, and start the uploader."""
@@ -248,7 +266,7 @@ class ShardRun:
     def nonfinite_flags(batch: list[Tokenized], states: dict) -> torch.Tensor:
         """[B] bool on the states' device: which samples have a NaN or Inf anywhere (no host sync)."""
         device = states["hidden_states"].device
-        lengths = torch.tensor([len(s) for s in batch]).to(device, non_blocking=True)
+        lengths = torch.tensor([len(s) for s in batch], pin_memory=device.type == "cuda").to(device, non_blocking=True)
         sample_of_T = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths,
                                               output_size=sum(len(s) for s in batch))
         bad_B = torch.zeros(len(batch), device=device)
@@ -363,6 +381,7 @@ class ShardRun:
             "padded_tokens": p.padded_tokens,
             "padding_waste": round(p.padded_tokens / p.tokens_forwarded - 1, 4) if p.tokens_forwarded else 0.0,
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
+            **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
             "extract_s": round(extract_s, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,

@@ -21,7 +21,7 @@ import torch
 
 from .batchfile import Payload
 from .chat import Tokenized
-from .staging import HostStaging
+from .staging import HostStaging, staging_plan
 
 if TYPE_CHECKING:
     from .extract import ShardRun
@@ -51,17 +51,25 @@ class BatchWriter:
     (`depth` pinned sets, a bounded hand-off between stages) holds the GPU back instead of letting memory
     grow: the sink is the bottleneck.
 
+    The forward loop never waits for the device, so it runs ahead of the GPU by up to `depth` batches;
+    each pinned set is made up front for a full batch (`bytes_per_token` x `token_budget`, see
+    `staging_plan`), so no copy waits for memory to be pinned.
+
     `timings()` says where the time went (seconds, summed over a stage's threads): `held_s` the forward
-    loop waited for room (the sink behind), `copy_wait_s` the prepare thread waited for a device copy,
-    then each stage's busy time, and `first_file_s` from the start to the first file sealed.
+    loop waited for a free pinned set (the sink behind, or the host `depth` batches ahead of the GPU),
+    `copy_wait_s` the prepare thread waited for a batch's forward and copy to finish, then each stage's busy
+    time, `first_file_s` from the start to the first file sealed, and the pinned sets (`HostStaging.stats`).
     """
 
     def __init__(self, shard: ShardRun, device: torch.device, depth: int | None = None,
-                 hash_workers: int | None = None):
+                 hash_workers: int | None = None, bytes_per_token: int = 0, token_budget: int = 0):
         self.shard = shard
         self.hash_workers = hash_workers or default_hash_workers()
-        depth = depth or self.hash_workers + 3  # one set filling, one being laid out, hashed ones, one writing
-        self.staging = HostStaging(device, depth)
+        depth = depth or self.hash_workers + 4  # one filling, one copying, one laid out, hashed ones, one writing
+        set_bytes = 0
+        if bytes_per_token and token_budget:  # each pinned set made up front for a full batch
+            depth, set_bytes = staging_plan(bytes_per_token, token_budget, depth)
+        self.staging = HostStaging(device, depth, set_bytes)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.hashing = ThreadPoolExecutor(self.hash_workers, thread_name_prefix="hsextract-hash")
         self.landing: queue.Queue = queue.Queue(maxsize=self.hash_workers)
@@ -95,8 +103,10 @@ class BatchWriter:
         self._spend("hash_s", started)
 
     def timings(self) -> dict:
-        """Seconds spent per stage, and to the first sealed file."""
+        """Seconds spent per stage, to the first sealed file, and the pinned sets (`HostStaging.stats`)."""
         out = {k: round(v, 3) for k, v in sorted(self.spent.items())}
+        if self.staging.cuda:
+            out.update(self.staging.stats())
         if self.first_sealed is not None:
             out["first_file_s"] = round(self.first_sealed - self.started, 3)
         return out
