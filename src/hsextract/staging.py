@@ -132,7 +132,7 @@ def staging_plan(bytes_per_token: int, token_budget: int, depth: int, max_bytes:
     """(sets, bytes per set): each set holds a full batch (`token_budget` tokens, plus room for alignment);
     as many sets as `depth` asks while they fit `max_bytes` (default: an eighth of the host's memory, at
     most 16 GiB), and never fewer than 2 (one filling while one is written)."""
-    set_bytes = token_budget * bytes_per_token + 16 * ALIGN
+    set_bytes = token_budget * bytes_per_token + 4 * ALIGN  # each of a batch's (at most 4) tensors aligned
     if max_bytes is None:
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

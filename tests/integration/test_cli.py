@@ -100,6 +100,9 @@ def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tin
                            str(seed), layers="1,3")
         assert proc.returncode == 0, proc.stderr
         assert f"--random-weights {seed}" in proc.stderr and "states are of a random model" in proc.stderr
+        assert "model loaded in " in proc.stderr and "(made on the device from the seed)" in proc.stderr
+        summary = json.loads(proc.stdout.split("SUMMARY ", 1)[1].splitlines()[0])
+        assert 0 < summary["load_s"] < summary["seconds"]
         found = {s["id"]: s["hidden_states"] for s in hsextract.read_samples(tmp_path / out, verify=True)}
         first = next((tmp_path / out).rglob("batch-*.safetensors"))
         from safetensors import safe_open
@@ -113,6 +116,8 @@ def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tin
     assert seed_said == "7" and len(one) == len(set(json.loads(l)["id"] for l in dataset.read_text().splitlines()))
     assert all(torch.equal(one[i], again[i]) for i in one)
     assert not any(torch.allclose(one[i], other[i]) for i in one)
+    proc = run_extract(tiny_model, dataset, tmp_path / "w", 0, 1, layers="1,3")  # the weights read: said how
+    assert proc.returncode == 0 and "model loaded in " in proc.stderr and "through host memory" in proc.stderr
     proc = run_extract(bare, dataset, tmp_path / "d", 0, 1, layers="1,3")  # without the flag: the weights are needed
     assert proc.returncode == 2 and "cannot load weights" in proc.stderr, proc.stderr
 
