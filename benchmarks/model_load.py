@@ -6,8 +6,9 @@ Saves a Qwen3.6-27B-shaped checkpoint (`gpu_throughput.build_model`'s config, ra
 of `--model-layers` layers as safetensors (5 GB shards), then, each with the page cache dropped first (root:
 /proc/sys/vm/drop_caches; where that is refused the figures say "cache warm"):
   - raw read: every safetensors file read whole, 64 MiB at a time, nothing else (the disk's ceiling);
-  - LayerCapture: the worker's own load (transformers' from_pretrained, then to the GPU), synchronized;
-  - from_pretrained straight to the GPU (device_map="cuda": needs `accelerate`), when it is importable;
+  - from_pretrained into host memory, then `.to("cuda")`: the worker's load before issue 20;
+  - LayerCapture: the worker's own load, synchronized: straight to the GPU (`device_map`) where `accelerate`
+    is importable, else the same as the row above;
   - the worker process (`hsextract extract` over `--samples` samples): start to its first batch file
     journaled, and its whole extraction.
 Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
@@ -94,21 +95,24 @@ def main() -> int:
     cold = drop_caches()
     raw_s = raw_read(model_dir)
     rows.append(("raw read of the safetensors files", raw_s))
+    from transformers import AutoModelForCausalLM
+
     drop_caches()
-    rows.append(("LayerCapture (from_pretrained, then .to(cuda))",
-                 timed_load(lambda: LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16))))
-    import importlib.util
+    rows.append(("from_pretrained into host memory, then .to(cuda) (the old load)", timed_load(
+        lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).to("cuda"))))
+    drop_caches()
+    paths = []
 
-    if importlib.util.find_spec("accelerate") is not None:
-        from transformers import AutoModelForCausalLM
+    def worker_load() -> LayerCapture:
+        capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16)
+        paths.append(capture.load_path)
+        return capture
 
-        drop_caches()
-        rows.append(('from_pretrained(device_map="cuda")', timed_load(lambda: AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16, device_map="cuda", local_files_only=True))))
-    else:
-        rows.append(('from_pretrained(device_map="cuda"): no accelerate here', float("nan")))
+    seconds = timed_load(worker_load)
+    rows.append((f"LayerCapture: the worker's load ({paths[0]})", seconds))
     drop_caches()
     summary = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, random_weights=False)
+    rows.append(("worker: its model load (summary load_s)", summary["load_s"]))
     rows.append(("worker: process start to its first batch file", summary["first_file_s"]))
     print(f"\n{'what (' + ('cache dropped before each' if cold else 'cache warm: drop_caches refused') + ')':<60} "
           f"{'s':>8} {'GB/s':>8} {'x raw':>7}")
