@@ -131,12 +131,13 @@ def staging_plan(bytes_per_token: int, token_budget: int, depth: int, max_bytes:
                  ) -> tuple[int, int]:
     """(sets, bytes per set): each set holds a full batch (`token_budget` tokens, plus room for alignment);
     as many sets as `depth` asks while they fit `max_bytes` (default: an eighth of the host's memory, at
-    most 16 GiB), and never fewer than 2 (one filling while one is written)."""
+    least 4 GiB, as a VM's memory may start small and grow, and at most 16 GiB), and never fewer than 2
+    (one filling while one is written)."""
     set_bytes = token_budget * bytes_per_token + 4 * ALIGN  # each of a batch's (at most 4) tensors aligned
     if max_bytes is None:
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError):
             total = 64 << 30
-        max_bytes = min(16 << 30, total // 8)
+        max_bytes = min(16 << 30, max(4 << 30, total // 8))
     return max(2, min(depth, max_bytes // set_bytes)), set_bytes
