@@ -174,9 +174,9 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         use_fla_conv(capture.backbone, capture.device)
     if compiled:
         try:
-            import torch._dynamo
+            import torch._dynamo as dynamo
 
-            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            dynamo.config.cache_size_limit = max(64, dynamo.config.cache_size_limit)
             for layer in capture.backbone.layers:
                 layer.compile(dynamic=True)
             started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -51,6 +52,7 @@ class ShardRun:
         self.drain_s = 0.0  # waiting for the uploader after the last batch
         self.load_s: float | None = None  # making the model (read or built) and putting it on the device
         self.pipeline: dict = {}  # BatchWriter.timings() of the extraction loop
+        self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
@@ -123,10 +125,10 @@ class ShardRun:
         self.progress.extract_started_at = time.time()
         writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
                              bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget)
+        self.loop = ForwardLoopTimer(capture.device)
+        batches = pack(self.encoded(encoder, pending), opts.token_budget, opts.sort_window)
         try:
-            for batch in pack(self.encoded(encoder, pending), opts.token_budget, opts.sort_window):
-                if self.stop_signal:
-                    break
+            while (batch := self.loop.next(batches)) is not None and not self.stop_signal:
                 for part, states in self.forward(capture, batch):
                     writer.put(part, states)
         finally:
@@ -134,7 +136,7 @@ class ShardRun:
                 writer.close()
             finally:
                 self.extract_ended = time.time()
-                self.pipeline = writer.timings()
+                self.pipeline = {**self.loop.timings(), **writer.timings()}
         if self.stop_signal:
             raise Interrupted(self.stop_signal)
         return self.finish()
@@ -239,11 +241,12 @@ class ShardRun:
         while todo:
             part = todo.pop()
             try:
-                states = capture.run([s.input_ids for s in part])
-                states[BAD_KEY] = self.nonfinite_flags(part, states)
-                if self.opts.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
-                    states["hidden_states"], states[SCALE_KEY] = quantize(states["hidden_states"],
-                                                                          capture.hidden_size)
+                with self.loop.forward():
+                    states = capture.run([s.input_ids for s in part])
+                    states[BAD_KEY] = self.nonfinite_flags(part, states)
+                    if self.opts.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
+                        states["hidden_states"], states[SCALE_KEY] = quantize(states["hidden_states"],
+                                                                              capture.hidden_size)
                 oom = None
             except torch.OutOfMemoryError as exc:
                 oom, states = str(exc), None
@@ -392,6 +395,49 @@ class ShardRun:
                            "max_memory_bytes": self.uploader.max_in_memory}} if self.uploader else {}),
             **({"pipeline": self.pipeline} if self.pipeline else {}),
         }
+
+
+class ForwardLoopTimer:
+    """Where the forward loop's time goes: `next_batch_s` waiting for the next batch (reading, tokenizing,
+    packing), `forward_s` queuing forwards on the host; on CUDA also the device's side, from an event pair
+    around each forward (no sync: read at the end): `gpu_forward_s` the device ran forwards,
+    `gpu_idle_s` it had none to run between the first and the last (the host did not keep it fed)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spent: Counter = Counter()
+        self.events: list = []
+
+    def next(self, batches: Iterator):
+        started = time.monotonic()
+        try:
+            return next(batches, None)
+        finally:
+            self.spent["next_batch_s"] += time.monotonic() - started
+
+    @contextlib.contextmanager
+    def forward(self):
+        started = time.monotonic()
+        begin = end = None
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        try:
+            yield
+        finally:
+            if end is not None:
+                end.record()
+                self.events.append((begin, end))
+            self.spent["forward_s"] += time.monotonic() - started
+
+    def timings(self) -> dict:
+        out = {k: round(v, 3) for k, v in sorted(self.spent.items())}
+        if self.events:
+            self.events[-1][1].synchronize()
+            busy = sum(b.elapsed_time(e) for b, e in self.events) / 1000
+            span = self.events[0][0].elapsed_time(self.events[-1][1]) / 1000
+            out.update(gpu_forward_s=round(busy, 3), gpu_idle_s=round(max(0.0, span - busy), 3))
+        return out
 
 
 def load_tokenizer(model_dir: Path):
