@@ -348,7 +348,8 @@ def main() -> int:
     ap.add_argument("--layers", default="dflash:5")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--ceiling-batches", type=int, default=40,
-                    help="packed batches the ceilings (bare forward, capture, sink) are measured over")
+                    help="packed batches the ceilings (bare forward, capture, sink) are measured over, spread "
+                         "evenly over the run's batches")
     ap.add_argument("--bare-only", action="store_true", help="only the bare forward and its MFU (e.g. at 64 layers)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the MFU")
     ap.add_argument("--naive-samples", type=int, default=40)
@@ -385,7 +386,10 @@ def main() -> int:
     every = batches(work / "data.jsonl", args.token_budget)
     real = sum(len(s) for b in every for s in b)
     padded = sum(padded_tokens(b) for b in every)
-    packed = every[:args.ceiling_batches]  # the ceilings are rates: measured over the first batches
+    # the ceilings are rates, measured over batches spread evenly over the whole run: the worker's batches go
+    # longest first within each window of 1024 samples, and a batch's cost per token depends on its
+    # lengths (attention grows with them; a delta-rule chunk is 64 tokens however short the samples)
+    packed = every[::max(1, len(every) // args.ceiling_batches)][:args.ceiling_batches]
     ceilings = bare_and_capture(model_dir, layer_ids, packed, args.bare_only, args.compile)
     bare_tps, capture_tps, params, made_s = (ceilings["bare"], ceilings.get("capture", 0.0), ceilings["params"],
                                              ceilings["made_s"])
