@@ -167,6 +167,22 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     want = first_state()
     variants = {}
     if capture.kernels:  # the worker switched the convolution to fla's kernel: the reference, side by side
+        import sys as _sys
+
+        from hsextract.kernels import CONV_NAME, _fla_causal_conv1d
+
+        linear = next(m for m in capture.backbone.modules() if hasattr(m, "conv1d"))
+        owner = _sys.modules[type(linear).__module__]
+        reference = getattr(owner, f"_hsextract_reference_{CONV_NAME}")
+        x_BDT = torch.randn(2, linear.conv1d.weight.shape[0], 3000, device="cuda", dtype=torch.bfloat16)
+        weight = linear.conv1d.weight.squeeze(1)
+        with torch.inference_mode():
+            want_conv = reference(x_BDT.float(), weight.float(), None, activation="silu")
+            out["conv_rel_err"] = {"fla (bf16)": rel_err(_fla_causal_conv1d(x_BDT, weight, None, "silu"), want_conv),
+                                   "reference (bf16)": rel_err(reference(x_BDT, weight, None, activation="silu"),
+                                                               want_conv)}
+        print(f"causal conv1d, one layer's weights, random bf16 input [2, {x_BDT.shape[1]}, 3000], rel err against "
+              f"the reference in fp32: {out['conv_rel_err']}", flush=True)
         restore_reference_conv(capture.backbone)
         run_bare()
         variants["reference causal_conv1d (transformers' PyTorch path)"] = (
