@@ -18,6 +18,8 @@ def pack(samples: Iterable[S], token_budget: int, window: int = 1024) -> Iterato
 
     A sample longer than the budget goes alone. Within each window of `window` samples the longest go
     first; the window's last, partly filled batch is carried into the next window instead of being cut.
+    Batch sizes are bucketed (`batch_size_bucket`): a batch holds at most as many samples as fit, rounded
+    down to the nearest allowed size.
     """
     buffer: list[S] = []
     fresh = 0  # samples added since the last packing (the carried batch does not count)
@@ -32,12 +34,26 @@ def pack(samples: Iterable[S], token_budget: int, window: int = 1024) -> Iterato
         yield from _pack_sorted(buffer, token_budget)
 
 
+def batch_size_bucket(n: int) -> int:
+    """The largest allowed batch size <= n: every size up to 8, then 4..7 x a power of two (10, 12, 14, 16,
+    20, 24, ...), each at least 4/5 of the next. A GPU kernel that autotunes per batch size (fla's cumsum
+    keys on it) then meets a few dozen sizes in a whole run, all of which the worker warms at start."""
+    if n <= 8:
+        return max(1, n)
+    shift = n.bit_length() - 3
+    return (n >> shift) << shift
+
+
+def batch_size_buckets(limit: int) -> list[int]:
+    """Every allowed batch size up to `limit`."""
+    return sorted({batch_size_bucket(n) for n in range(1, limit + 1)})
+
+
 def _pack_sorted(samples: list[S], token_budget: int) -> Iterator[list[S]]:
-    batch: list[S] = []
-    for sample in sorted(samples, key=len, reverse=True):
-        if batch and len(batch[0]) * (len(batch) + 1) > token_budget:
-            yield batch
-            batch = []
-        batch.append(sample)
-    if batch:
-        yield batch
+    ordered = sorted(samples, key=len, reverse=True)
+    start = 0
+    while start < len(ordered):
+        fit = max(1, token_budget // max(1, len(ordered[start])))  # the longest first: the rest fit as well
+        size = batch_size_bucket(min(fit, len(ordered) - start))
+        yield ordered[start:start + size]
+        start += size

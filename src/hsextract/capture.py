@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .batching import batch_size_buckets
 from .errors import UsageError
 from .kernels import use_fla_conv
 from .preflight import read_model_info
@@ -77,6 +78,27 @@ class LayerCapture:
         self._rows: torch.Tensor | None = None
         for slot, layer_id in enumerate(layer_ids):
             self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
+
+    @torch.inference_mode()
+    def warm_up(self, token_budget: int, shortest: int = 16) -> list[int]:
+        """Run each kind of linear-attention module once per bucketed batch size a run can meet (up to
+        `token_budget // shortest` samples), on random input within the budget: kernels that autotune per
+        batch size (fla's cumsum) tune now, not in the middle of the run, and persist their choice on the
+        host (fla caches autotune results), so a later process finds them. Returns the sizes warmed."""
+        modules = {}
+        for layer in self.backbone.layers:
+            module = getattr(layer, "linear_attn", None)
+            if module is not None:
+                modules.setdefault(type(module), module)
+        if not modules:
+            return []
+        sizes = batch_size_buckets(max(1, token_budget // shortest))
+        for size in sizes:
+            width = max(1, min(64, token_budget // size))
+            hidden_BTH = torch.randn(size, width, self.hidden_size, device=self.device, dtype=self.dtype)
+            for module in modules.values():
+                module(hidden_BTH)
+        return sizes
 
     @property
     def width(self) -> int:

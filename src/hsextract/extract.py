@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import json
@@ -51,6 +52,7 @@ class ShardRun:
         self.extract_ended: float | None = None
         self.drain_s = 0.0  # waiting for the uploader after the last batch
         self.load_s: float | None = None  # making the model (read or built) and putting it on the device
+        self.warm_s: float | None = None  # tuning the kernels for every batch size before the first batch (CUDA)
         self.pipeline: dict = {}  # BatchWriter.timings() of the extraction loop
         self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
 
@@ -113,6 +115,14 @@ class ShardRun:
         how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
         print(f"hsextract: shard {opts.shard}/{opts.num_shards}: model loaded in {self.load_s:.1f}s on {device}"
               + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
+        if capture.device.type == "cuda":  # kernels that autotune per batch size: tuned before the first batch
+            started = time.monotonic()
+            sizes = capture.warm_up(opts.token_budget)
+            torch.cuda.synchronize()
+            self.warm_s = time.monotonic() - started
+            if sizes:
+                print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels warmed for {len(sizes)} batch sizes "
+                      f"(1..{sizes[-1]}) in {self.warm_s:.1f}s", file=sys.stderr, flush=True)
         encoder = ChatEncoder(load_tokenizer(opts.model), capture.info.vocab_size, opts.max_length, opts.overlong)
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
@@ -385,6 +395,7 @@ class ShardRun:
             "padding_waste": round(p.padded_tokens / p.tokens_forwarded - 1, 4) if p.tokens_forwarded else 0.0,
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
+            **({"warm_s": round(self.warm_s, 3)} if self.warm_s is not None else {}),
             "extract_s": round(extract_s, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,
@@ -400,13 +411,16 @@ class ShardRun:
 class ForwardLoopTimer:
     """Where the forward loop's time goes: `next_batch_s` waiting for the next batch (reading, tokenizing,
     packing), `forward_s` queuing forwards on the host; on CUDA also the device's side, from an event pair
-    around each forward (no sync: read at the end): `gpu_forward_s` the device ran forwards,
-    `gpu_idle_s` it had none to run between the first and the last (the host did not keep it fed)."""
+    around each forward (never waited for: pairs are read once done, the rest at the end):
+    `gpu_forward_s` the device spent in forwards, `gpu_idle_s` it had none to run between the first and the
+    last (the host did not keep it fed)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.spent: Counter = Counter()
-        self.events: list = []
+        self.pending: collections.deque = collections.deque()  # event pairs not read yet
+        self.first = self.last = None  # the first forward's begin, the last one's end
+        self.busy_ms = 0.0
 
     def next(self, batches: Iterator):
         started = time.monotonic()
@@ -422,20 +436,28 @@ class ForwardLoopTimer:
         if self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
+            self.first = self.first or begin
         try:
             yield
         finally:
             if end is not None:
                 end.record()
-                self.events.append((begin, end))
+                self.pending.append((begin, end))
+                self.last = end
+                while self.pending and self.pending[0][1].query():  # done: read without waiting
+                    self._read(*self.pending.popleft())
             self.spent["forward_s"] += time.monotonic() - started
+
+    def _read(self, begin, end) -> None:
+        self.busy_ms += begin.elapsed_time(end)
 
     def timings(self) -> dict:
         out = {k: round(v, 3) for k, v in sorted(self.spent.items())}
-        if self.events:
-            self.events[-1][1].synchronize()
-            busy = sum(b.elapsed_time(e) for b, e in self.events) / 1000
-            span = self.events[0][0].elapsed_time(self.events[-1][1]) / 1000
+        if self.last is not None:
+            self.last.synchronize()
+            while self.pending:
+                self._read(*self.pending.popleft())
+            busy, span = self.busy_ms / 1000, self.first.elapsed_time(self.last) / 1000
             out.update(gpu_forward_s=round(busy, 3), gpu_idle_s=round(max(0.0, span - busy), 3))
         return out
 

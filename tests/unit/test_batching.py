@@ -98,3 +98,20 @@ def test_padding_waste_under_2_percent_on_realistic_lengths_at_default_window():
     batches = list(pack(samples, 8192, 1024))
     check_partition(samples, batches)
     assert waste(batches) < 0.02
+
+
+def test_batch_sizes_are_bucketed_and_batches_stay_filled():
+    """A run meets a few dozen batch sizes (each warmed at start), each batch at least 4/5 of what fits."""
+    from hsextract.batching import batch_size_bucket, batch_size_buckets
+
+    buckets = batch_size_buckets(512)
+    assert buckets[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16] and buckets[-1] == 512 and len(buckets) == 32
+    assert all(batch_size_bucket(n) <= n < batch_size_bucket(n) * 5 / 4 + 1 for n in range(1, 5000))
+    rng = random.Random(3)
+    samples = samples_of([max(2, min(4096, int(rng.lognormvariate(0, 1) * 1000))) for _ in range(5000)])
+    batches = list(pack(samples, 8192, 1024))
+    check_partition(samples, batches)
+    assert {len(b) for b in batches} <= set(batch_size_buckets(8192))
+    full = [b for b in batches[:-1] if len(b) > 1]
+    fill = sum(padded_tokens(b) for b in full) / (8192 * len(full))
+    assert fill > 0.85, fill
