@@ -454,10 +454,13 @@ class ForwardLoopTimer:
     def timings(self) -> dict:
         out = {k: round(v, 3) for k, v in sorted(self.spent.items())}
         if self.last is not None:
-            self.last.synchronize()
-            while self.pending:
-                self._read(*self.pending.popleft())
-            busy, span = self.busy_ms / 1000, self.first.elapsed_time(self.last) / 1000
+            try:
+                self.last.synchronize()
+                while self.pending:
+                    self._read(*self.pending.popleft())
+                busy, span = self.busy_ms / 1000, self.first.elapsed_time(self.last) / 1000
+            except Exception:  # noqa: BLE001 - a failed device: the error that ended the loop is the one to tell
+                return out
             out.update(gpu_forward_s=round(busy, 3), gpu_idle_s=round(max(0.0, span - busy), 3))
         return out
 
