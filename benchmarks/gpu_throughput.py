@@ -123,9 +123,10 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
                      compiled: bool = False) -> dict:
     """The bare forward (the GPU ceiling, with the kernels the worker uses) and the capture, on the same model and
     batches; side by side, the bare forward with transformers' reference causal convolution and, with
-    `compiled`, with every decoder layer under torch.compile (dynamic shapes), each with its largest relative
-    error against the worker's kernels on the first batch's last layer. Returns tok/s figures and more."""
-    from hsextract.kernels import restore_reference_conv, use_fla_conv
+    `compiled`, with every decoder layer under torch.compile (dynamic shapes), each with the relative error
+    of the first batch's last layer against the worker's kernels; and fla's convolution against the reference
+    in fp32 on one layer's weights. Returns tok/s figures and more."""
+    from hsextract.kernels import CONV_NAME, _fla_causal_conv1d, restore_reference_conv, use_fla_conv
 
     tokens = sum(len(s) for b in packed for s in b)
     began = time.perf_counter()
@@ -167,12 +168,8 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     want = first_state()
     variants = {}
     if capture.kernels:  # the worker switched the convolution to fla's kernel: the reference, side by side
-        import sys as _sys
-
-        from hsextract.kernels import CONV_NAME, _fla_causal_conv1d
-
         linear = next(m for m in capture.backbone.modules() if hasattr(m, "conv1d"))
-        owner = _sys.modules[type(linear).__module__]
+        owner = sys.modules[type(linear).__module__]
         reference = getattr(owner, f"_hsextract_reference_{CONV_NAME}")
         x_BDT = torch.randn(2, linear.conv1d.weight.shape[0], 3000, device="cuda", dtype=torch.bfloat16)
         weight = linear.conv1d.weight.squeeze(1)
