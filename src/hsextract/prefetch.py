@@ -1,26 +1,24 @@
-"""Ask the kernel to read the model's weight files into the page cache while the worker starts (no torch here).
+"""Read the model's weight files into the page cache while the worker starts (no torch here).
 
 A worker spends its first seconds importing torch and transformers, initialising CUDA and reading the
-dataset, and only then asks transformers for the weights, which it reads from disk. `WeightPrefetch` asks
-the kernel, from the moment the worker starts, to read ahead the safetensors files the run will load (the
-layers up to the last one captured, per the checkpoint's index, and every tensor of no layer), so the disk
-can work while the rest of the start-up does. It uses `posix_fadvise(WILLNEED)`, 64 MiB at a time: nothing
-is copied into the process, and it never competes with the load for the CPU (reading the files into a
-buffer instead made a cold start 2.2 s slower on a 2-core machine, `benchmarks/prefetch_load.py`). It asks
-only for what fits: with less free memory than twice the files' size it asks for none and says so.
+dataset, and only then asks transformers for the weights, which it reads from disk. `WeightPrefetch` reads
+the safetensors files the run will load (the layers up to the last one captured, per the checkpoint's
+index, and every tensor of no layer) on a thread from the moment the worker starts, so the disk works while
+the rest of the start-up does, and the load that follows finds the bytes in memory. It reads only what
+fits: with less free memory than twice the files' size it reads none and says so (the load then reads
+them itself, as before). Reading releases the GIL.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
 from pathlib import Path
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-CHUNK = 64 << 20
+CHUNK = 16 << 20
 
 
 def files_to_load(model_dir: Path, keep_layers: int) -> list[Path]:
@@ -54,7 +52,7 @@ def available_memory() -> int | None:
 
 
 class WeightPrefetch(threading.Thread):
-    """Asks for `files` to be read into the page cache, in order; `report()` says what it asked for."""
+    """Reads `files` once, in order, into the page cache; `report()` says what it did."""
 
     def __init__(self, files: list[Path]):
         super().__init__(name="hsextract-prefetch", daemon=True)
@@ -74,19 +72,12 @@ class WeightPrefetch(threading.Thread):
         if self.skipped:
             return
         started = time.monotonic()
+        buffer = bytearray(CHUNK)
         try:
             for path in self.files:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    size = os.fstat(fd).st_size
-                    for offset in range(0, size, CHUNK):
-                        if self._halt.is_set():
-                            break
-                        length = min(CHUNK, size - offset)  # the kernel reads it in; nothing is copied to us
-                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-                        self.read_bytes += length
-                finally:
-                    os.close(fd)
+                with path.open("rb", buffering=0) as handle:
+                    while not self._halt.is_set() and (n := handle.readinto(buffer)):
+                        self.read_bytes += n
         except OSError as exc:  # the load that follows reads them itself and reports what is wrong
             self.error = f"{type(exc).__name__}: {exc}"
         self.seconds = time.monotonic() - started
@@ -96,10 +87,10 @@ class WeightPrefetch(threading.Thread):
         self._halt.set()
 
     def report(self) -> str:
-        """One line for the log: bytes asked for and how long the asking took (or why there was none)."""
+        """One line for the log: bytes read ahead and how long it took (or why it did not)."""
         if self.skipped:
             return self.skipped
-        done = "done" if not self.is_alive() else "still asking"
+        done = "done" if not self.is_alive() else "still reading"
         line = (f"{self.read_bytes / 1e9:.2f} of {self.total / 1e9:.2f} GB in {len(self.files)} file(s) read ahead"
                 f" ({done}{f', {self.seconds:.1f}s' if not self.is_alive() else ''})")
         return line + (f"; stopped: {self.error}" if self.error else "")
