@@ -107,31 +107,9 @@ def _extract(opts: WorkerOptions, capture) -> int:
     heartbeat.progress.confined = confined.active
     heartbeat.progress.phase = "importing"
     heartbeat.start()  # the first heartbeat comes before torch is imported
-    prefetch = start_prefetch(opts)  # the disk reads the weights while torch is imported and the data read
     from .extract import run_shard  # imports torch
 
-    return run_shard(opts, heartbeat, capture, prefetch=prefetch)
-
-
-def start_prefetch(opts: WorkerOptions):
-    """Start reading the weight files this shard will load (`WeightPrefetch`); None with --random-weights
-    or options that do not name a model's layers (run_shard reports those)."""
-    if opts.random_weights is not None:
-        return None
-    from .errors import UsageError
-    from .layers import parse_layer_spec
-    from .preflight import read_model_info
-    from .prefetch import WeightPrefetch, files_to_load
-
-    try:
-        info = read_model_info(opts.model)
-        layer_ids = parse_layer_spec(opts.layers, info.num_layers)
-        files = files_to_load(opts.model, info.num_layers if opts.include_last else max(layer_ids) + 1)
-        prefetch = WeightPrefetch(files)
-    except (UsageError, OSError, ValueError):
-        return None
-    prefetch.start()
-    return prefetch
+    return run_shard(opts, heartbeat, capture)
 
 
 def export_command(args) -> int:

@@ -53,7 +53,6 @@ class ShardRun:
         self.drain_s = 0.0  # waiting for the uploader after the last batch
         self.load_s: float | None = None  # making the model (read or built) and putting it on the device
         self.warm_s: float | None = None  # tuning the kernels for every batch size before the first batch (CUDA)
-        self.prefetch = None  # WeightPrefetch: the weight files read into the page cache from the start
         self.pipeline: dict = {}  # BatchWriter.timings() of the extraction loop
         self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
 
@@ -102,8 +101,6 @@ class ShardRun:
         self.progress.phase = "reading_data"
         pending = self.pending_records()
         if not pending:
-            if self.prefetch is not None:
-                self.prefetch.stop()
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
         device = resolve_device(opts.device)
@@ -117,9 +114,7 @@ class ShardRun:
         self.load_s = time.monotonic() - started
         how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
         print(f"hsextract: shard {opts.shard}/{opts.num_shards}: model loaded in {self.load_s:.1f}s on {device}"
-              + (f" ({how})" if how else "")
-              + (f"; weights: {self.prefetch.report()}" if self.prefetch is not None else ""),
-              file=sys.stderr, flush=True)
+              + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
         if capture.device.type == "cuda":  # kernels that autotune per batch size: tuned before the first batch
             started = time.monotonic()
             sizes = capture.warm_up(opts.token_budget)
@@ -401,9 +396,6 @@ class ShardRun:
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
             **({"warm_s": round(self.warm_s, 3)} if self.warm_s is not None else {}),
-            **({"prefetch": {"bytes": self.prefetch.read_bytes, "of": self.prefetch.total,
-                             "seconds": round(self.prefetch.seconds, 3), "skipped": self.prefetch.skipped}}
-               if self.prefetch is not None else {}),
             "extract_s": round(extract_s, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,
@@ -500,15 +492,14 @@ def install_signal_handlers(shard: ShardRun) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=None, prefetch=None) -> int:
+def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=None) -> int:
     """The body of `hsextract extract` after the STARTED line: returns the process exit code.
 
     `heartbeat`, when given, is already beating (the CLI starts it before torch is imported). `capture` makes
     the object that loads the model and runs the forward pass (`LayerCapture`'s signature and `run`; None:
-    `LayerCapture` itself). `prefetch`, when given, is reading the weight files already (`WeightPrefetch`)."""
+    `LayerCapture` itself)."""
     progress = heartbeat.progress if heartbeat else Progress(opts.shard, opts.num_shards, __version__)
     shard = ShardRun(opts, progress, capture or LayerCapture)
-    shard.prefetch = prefetch
     install_signal_handlers(shard)
     started = heartbeat is not None
     heartbeat = heartbeat or Heartbeat(opts.status_path, progress, opts.heartbeat_interval)

@@ -118,12 +118,6 @@ def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tin
     assert not any(torch.allclose(one[i], other[i]) for i in one)
     proc = run_extract(tiny_model, dataset, tmp_path / "w", 0, 1, layers="1,3")  # the weights read: said how
     assert proc.returncode == 0 and "model loaded in " in proc.stderr and "through host memory" in proc.stderr
-    weights = (tiny_model / "model.safetensors").stat().st_size  # read ahead from the start, whole
-    assert f"weights: {weights / 1e9:.2f} of {weights / 1e9:.2f} GB in 1 file(s) read ahead (done" in proc.stderr
-    summary = json.loads(proc.stdout.split("SUMMARY ", 1)[1].splitlines()[0])
-    assert summary["prefetch"]["bytes"] == summary["prefetch"]["of"] == weights
-    assert "prefetch" not in json.loads(run_extract(bare, dataset, tmp_path / "e", 0, 1, "--random-weights", "7",
-                                                    layers="1,3").stdout.split("SUMMARY ", 1)[1].splitlines()[0])
     proc = run_extract(bare, dataset, tmp_path / "d", 0, 1, layers="1,3")  # without the flag: the weights are needed
     assert proc.returncode == 2 and "cannot load weights" in proc.stderr, proc.stderr
 
