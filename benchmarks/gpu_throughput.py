@@ -49,6 +49,7 @@ from hsextract.batchfile import write_batch
 from hsextract.batching import pack, padded_tokens
 from hsextract.capture import LayerCapture
 from hsextract.layers import parse_layer_spec
+from hsextract.quant import fp8_bytes_per_token
 
 VOCAB = 32000
 
@@ -126,7 +127,7 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     `compiled`, with every decoder layer under torch.compile (dynamic shapes), each with the relative error
     of the first batch's last layer against the worker's kernels; and fla's convolution against the reference
     in fp32 on one layer's weights. Returns tok/s figures and more."""
-    from hsextract.kernels import CONV_NAME, _fla_causal_conv1d, restore_reference_conv, use_fla_conv
+    from hsextract.kernels import fla_causal_conv1d, reference_conv, restore_reference_conv, use_fla_conv
 
     tokens = sum(len(s) for b in packed for s in b)
     began = time.perf_counter()
@@ -169,13 +170,12 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     variants = {}
     if capture.kernels:  # the worker switched the convolution to fla's kernel: the reference, side by side
         linear = next(m for m in capture.backbone.modules() if hasattr(m, "conv1d"))
-        owner = sys.modules[type(linear).__module__]
-        reference = getattr(owner, f"_hsextract_reference_{CONV_NAME}")
+        reference = reference_conv(linear)
         x_BDT = torch.randn(2, linear.conv1d.weight.shape[0], 3000, device="cuda", dtype=torch.bfloat16)
         weight = linear.conv1d.weight.squeeze(1)
         with torch.inference_mode():
             want_conv = reference(x_BDT.float(), weight.float(), None, activation="silu")
-            out["conv_rel_err"] = {"fla (bf16)": rel_err(_fla_causal_conv1d(x_BDT, weight, None, "silu"), want_conv),
+            out["conv_rel_err"] = {"fla (bf16)": rel_err(fla_causal_conv1d(x_BDT, weight, None, "silu"), want_conv),
                                    "reference (bf16)": rel_err(reference(x_BDT, weight, None, activation="silu"),
                                                                want_conv)}
         print(f"causal conv1d, one layer's weights, random bf16 input [2, {x_BDT.shape[1]}, 3000], rel err against "
@@ -422,7 +422,7 @@ def main() -> int:
                                              "variants": ceilings["variants"]}))
         shutil.rmtree(work, ignore_errors=True)
         return 0
-    bf16_bytes, fp8_bytes = width * 2, width + 4 * len(layer_ids)  # fp8: e4m3 + a float32 scale per layer
+    bf16_bytes, fp8_bytes = width * 2, fp8_bytes_per_token(width, len(layer_ids))
     disk = sink(out.parent / "sink", packed, bf16_bytes)
     raw_bps = max(disk["serial"], disk["overlapped"])
     raw_tps, sink_tps = raw_bps / bf16_bytes, disk["ours"] / bf16_bytes

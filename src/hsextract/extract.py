@@ -30,7 +30,7 @@ from .options import WorkerOptions
 from .preflight import read_model_info
 from .records import Bad, Record, iter_records
 from .sharding import shard_of
-from .quant import FP8_ENCODING, SCALE_KEY, quantize
+from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
 from .status import ProgressReporter
 from .store import LocalStore, S3Store, s3_client, scan, sha256_file
 from .writer import BAD_KEY, BatchWriter, Prepared
@@ -155,7 +155,7 @@ class ShardRun:
         """Host bytes a token's states take on their way to a file (what a pinned set is sized from)."""
         element = torch.empty(0, dtype=capture.dtype).element_size()
         if self.opts.out_dtype == "fp8_e4m3":
-            per = capture.width + 4 * len(capture.layer_ids)  # e4m3 values + a float32 scale per layer
+            per = fp8_bytes_per_token(capture.width, len(capture.layer_ids))
         else:
             per = capture.width * element
         if capture.include_last:

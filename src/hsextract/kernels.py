@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 CONV_NAME = "causal_conv1d_fn"
+_SAVED = f"_hsextract_reference_{CONV_NAME}"  # where use_fla_conv keeps what it replaced
 _REFERENCE_PARAMS = ("hidden_states", "weight", "bias", "activation")
 
 
-def _fla_causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def fla_causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        activation: str | None = None, **_kwargs) -> torch.Tensor:
     """transformers' `causal_conv1d_fn` contract ([B, D, T] in and out, weight [D, W]) over fla's kernel
     ([B, T, D]): the transposes are views, as transformers made [B, D, T] by transposing [B, T, D]."""
@@ -54,20 +55,26 @@ def use_fla_conv(model: nn.Module, device: torch.device) -> list[str]:
     switched = []
     for owner in _conv_modules(model):
         current = getattr(owner, CONV_NAME)
-        if current is _fla_causal_conv1d:
+        if current is fla_causal_conv1d:
             continue
         params = tuple(inspect.signature(current).parameters)
         if params[:len(_REFERENCE_PARAMS)] != _REFERENCE_PARAMS:
             continue  # not the contract the adapter speaks: leave it as transformers made it
-        setattr(owner, f"_hsextract_reference_{CONV_NAME}", current)
-        setattr(owner, CONV_NAME, _fla_causal_conv1d)
+        setattr(owner, _SAVED, current)
+        setattr(owner, CONV_NAME, fla_causal_conv1d)
         switched.append(f"{owner.__name__.rsplit('.', 1)[-1]}.{CONV_NAME} -> fla")
     return switched
+
+
+def reference_conv(module: nn.Module):
+    """transformers' own convolution for `module`'s modeling module (what `use_fla_conv` replaced, if it did)."""
+    owner = sys.modules[type(module).__module__]
+    return getattr(owner, _SAVED, None) or getattr(owner, CONV_NAME)
 
 
 def restore_reference_conv(model: nn.Module) -> None:
     """Undo `use_fla_conv` (for side-by-side measurements)."""
     for owner in _conv_modules(model):
-        reference = getattr(owner, f"_hsextract_reference_{CONV_NAME}", None)
+        reference = getattr(owner, _SAVED, None)
         if reference is not None:
             setattr(owner, CONV_NAME, reference)

@@ -15,6 +15,11 @@ SCALE_KEY = "hidden_states_scale"
 E4M3_MAX = 448.0
 
 
+def fp8_bytes_per_token(width: int, layers: int) -> int:
+    """Bytes a token's `--out-dtype fp8_e4m3` states take: an e4m3 value each, a float32 scale per layer."""
+    return width + 4 * layers
+
+
 def quantize(states_TW: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, L*H] -> ([T, L*H] float8_e4m3fn, [T, L] float32 scales), on the tensor's device."""
     tokens = states_TW.shape[0]

@@ -12,6 +12,7 @@ bounds host memory and applies backpressure to the GPU when the sink is slower. 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -89,10 +90,8 @@ class HostStaging:
             started = time.monotonic()
             buffer = None
             if self.set_bytes:
-                try:
+                with contextlib.suppress(RuntimeError):  # pinned memory refused: pinned at its first batch instead
                     buffer = torch.empty(self.set_bytes, dtype=torch.uint8, pin_memory=True)
-                except RuntimeError:  # pinned memory refused: this set is pinned at its first batch instead
-                    buffer = None
             with self._lock:
                 self.pin_s += time.monotonic() - started
                 self.pinned_bytes += 0 if buffer is None else buffer.numel()
