@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU measurements of issue 20, in parts that each fit one device call (10 minutes), on one machine:
-#   bash benchmarks/gpu_session.sh 1   # the 32-layer table, bf16 and fp8 side by side, 2000 samples (~7.5 min)
+#   bash benchmarks/gpu_session.sh 1   # the 32-layer table (bf16), the GPU ceiling over all the batches (~7 min)
+#   bash benchmarks/gpu_session.sh 4   # correctness; the fp8 worker on the same data (~7 min)
 #   bash benchmarks/gpu_session.sh 2   # correctness; 64 layers: bare forward MFU, torch.compile beside it (~8 min)
 #   bash benchmarks/gpu_session.sh 3   # model load against a raw read (40 layers, ~34 GB); the 8-layer table (~7 min)
 # Needs flash-linear-attention and fla-core 0.6.0 as wheels in .whl/ (carried to the device); writes its logs
@@ -16,10 +17,44 @@ quiet() { grep --line-buffered -v "Warning\|warn(\|Writing model\|Loading weight
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,
           'triton', triton.__version__)"
+# the GPU's clocks, power and busy share every half second, summed up per phase of the benchmarks (throttling?)
+SMI_FIELDS=timestamp,clocks.sm,power.draw,utilization.gpu,temperature.gpu
+nvidia-smi --query-gpu=$SMI_FIELDS,clocks_event_reasons.active --format=csv >/dev/null 2>&1 \
+    && SMI_FIELDS=$SMI_FIELDS,clocks_event_reasons.active
+nvidia-smi --query-gpu=$SMI_FIELDS --format=csv,noheader,nounits -lms 500 >"$OUT/smi.csv" 2>/dev/null &
+SMI=$!
+clocks() {  # clocks <benchmark json>: per phase, the mean SM clock, power, busy share and the throttle reasons seen
+    kill $SMI 2>/dev/null
+    python3 - "$OUT/smi.csv" "$1" <<'PY'
+import collections, datetime, json, sys
+rows = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        t = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        rows.append((t, float(f[1]), float(f[2]), float(f[3]), float(f[4]), f[5] if len(f) > 5 else ""))
+    except (ValueError, IndexError):
+        pass
+for name, t0, t1 in json.load(open(sys.argv[2])).get("phases", []):
+    sel = [r for r in rows if t0 <= r[0] <= t1]
+    if sel:
+        n = len(sel)
+        reasons = collections.Counter(r[5] for r in sel).most_common(3)
+        print(f"GPU during {name} ({t1 - t0:.0f}s, {n} samples): SM clock {sum(r[1] for r in sel) / n:.0f} MHz "
+              f"(min {min(r[1] for r in sel):.0f}), power {sum(r[2] for r in sel) / n:.0f} W, busy "
+              f"{sum(r[3] for r in sel) / n:.1f}%, {max(r[4] for r in sel):.0f} C; throttle reasons {reasons}")
+PY
+}
 case "$1" in
 1)
-    timeout 560 python3 benchmarks/gpu_throughput.py --fp8 --ceiling-batches 24 --naive-samples 5 \
-        --json "$OUT/tp32.json" 2>&1 | quiet | tee "$OUT/tp32.log" ;;
+    timeout 500 python3 benchmarks/gpu_throughput.py --sustained --no-reference --ceiling-batches 24 \
+        --naive-samples 3 --json "$OUT/tp32.json" 2>&1 | quiet | tee "$OUT/tp32.log"
+    clocks "$OUT/tp32.json" | tee -a "$OUT/tp32.log" ;;
+4)
+    timeout 200 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log"
+    timeout 330 python3 benchmarks/gpu_throughput.py --worker-only --fp8-only --json "$OUT/fp8.json" 2>&1 | quiet \
+        | tee "$OUT/fp8.log"
+    clocks "$OUT/fp8.json" | tee -a "$OUT/fp8.log" ;;
 2)
     timeout 200 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log"
     timeout 360 python3 benchmarks/gpu_throughput.py --model-layers 64 --bare-only --compile --ceiling-batches 16 \

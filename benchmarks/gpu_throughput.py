@@ -29,6 +29,7 @@ with lognormal lengths (median ~1K, max 4096). Then, on the same model and data,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -120,16 +121,42 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+PHASES: list[tuple[str, float, float]] = []
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Marks a stretch of the run in wall-clock time (to line up with a GPU clock/power log)."""
+    began = time.time()
+    try:
+        yield
+    finally:
+        PHASES.append((name, began, time.time()))
+        print(f"phase {name!r}: {began:.1f} .. {time.time():.1f}", flush=True)
+
+
+def spread(every: list, n: int) -> list:
+    """`n` of `every`, evenly spaced from its first to its last (all of it when n is 0 or too large)."""
+    if n <= 0 or n >= len(every):
+        return list(every)
+    if n == 1:
+        return [every[0]]
+    return [every[i * (len(every) - 1) // (n - 1)] for i in range(n)]
+
+
 def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: bool = False,
-                     compiled: bool = False) -> dict:
+                     compiled: bool = False, reference: bool = True, sustained=None, budget: int = 8192) -> dict:
     """The bare forward (the GPU ceiling, with the kernels the worker uses) and the capture, on the same model and
     batches; side by side, the bare forward with transformers' reference causal convolution and, with
     `compiled`, with every decoder layer under torch.compile (dynamic shapes), each with the relative error
     of the first batch's last layer against the worker's kernels; and fla's convolution against the reference
-    in fp32 on one layer's weights. Returns tok/s figures and more."""
+    in fp32 on one layer's weights. With `sustained` (batches), the bare forward is timed over those instead (e.g.
+    all the run's batches: the same work as the worker, for as long). The kernels are warmed for every batch size
+    as the worker warms them. Returns tok/s figures and more."""
     from hsextract.kernels import fla_causal_conv1d, reference_conv, restore_reference_conv, use_fla_conv
 
     tokens = sum(len(s) for b in packed for s in b)
+    bare_tokens = sum(len(s) for b in sustained or packed for s in b)
     began = time.perf_counter()
     capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16, random_weights=SEED)
     torch.cuda.synchronize()
@@ -144,11 +171,12 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         return ids.cuda(non_blocking=True)
 
     inputs = [one(b) for b in packed]
+    bare_inputs = [one(b) for b in sustained] if sustained else inputs
     hooks = {i: dict(capture.backbone.layers[i]._forward_hooks) for i in layer_ids}
 
     @torch.inference_mode()
-    def run_bare():
-        for ids in inputs:
+    def run_bare(over=inputs):
+        for ids in over:
             capture.backbone(input_ids=ids, use_cache=False)
 
     @torch.inference_mode()
@@ -160,15 +188,20 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         for batch in packed:
             capture.run(batch)
 
+    began = time.perf_counter()
+    capture.warm_up(budget)
+    out["warm_s"] = time.perf_counter() - began
     if not bare_only:
         run_capture()  # warm-up: kernels compiled, allocator filled
     for i in layer_ids:
         capture.backbone.layers[i]._forward_hooks.clear()
     run_bare()
-    out["bare"] = tokens / timed(run_bare)
+    with phase("bare forward" + (f" over {len(bare_inputs)} batches" if sustained else "")):
+        out["bare"] = bare_tokens / timed(lambda: run_bare(bare_inputs))
+    bare_inputs = None  # noqa: F841 - freed before the variants
     want = first_state()
     variants = {}
-    if capture.kernels:  # the worker switched the convolution to fla's kernel: the reference, side by side
+    if capture.kernels and reference:  # the worker switched the conv to fla's kernel: the reference beside it
         linear = next(m for m in capture.backbone.modules() if hasattr(m, "conv1d"))
         reference = reference_conv(linear)
         x_BDT = torch.randn(2, linear.conv1d.weight.shape[0], 3000, device="cuda", dtype=torch.bfloat16)
@@ -207,7 +240,8 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         return out
     for i, h in hooks.items():
         capture.backbone.layers[i]._forward_hooks.update(h)
-    out["capture"] = tokens / timed(run_capture)
+    with phase("capture"):
+        out["capture"] = tokens / timed(run_capture)
     return out  # model and inputs are freed on return
 
 
@@ -362,7 +396,11 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--ceiling-batches", type=int, default=40,
                     help="packed batches the ceilings (bare forward, capture, sink) are measured over, spread "
-                         "evenly over the run's batches")
+                         "evenly over the run's batches, first to last")
+    ap.add_argument("--sustained", action="store_true",
+                    help="time the bare forward over all the run's batches (as long as the worker runs)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the bare forward with transformers' reference causal convolution")
     ap.add_argument("--bare-only", action="store_true", help="only the bare forward and its MFU (e.g. at 64 layers)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the MFU")
     ap.add_argument("--naive-samples", type=int, default=40)
@@ -370,6 +408,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="where files go (default: a temp dir); the sink")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--fp8", action="store_true", help="also run the worker with --out-dtype fp8_e4m3")
+    ap.add_argument("--fp8-only", action="store_true", help="with --worker-only: the fp8_e4m3 worker alone")
     ap.add_argument("--compile", action="store_true",
                     help="also measure the bare forward with every decoder layer under torch.compile")
     ap.add_argument("--worker-only", action="store_true",
@@ -388,13 +427,19 @@ def main() -> int:
           f"{layer_ids}, {args.samples} samples, {sum(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]},"
           f" max {max(lengths)}), {width * 2} bytes/token, token budget {args.token_budget}", flush=True)
     if args.worker_only:
-        for extra in ((), ("--out-dtype", "fp8_e4m3"))[:2 if args.fp8 else 1]:
-            summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, *extra)
+        dtypes, runs = ((), ("--out-dtype", "fp8_e4m3")), {}
+        for extra in dtypes[1:] if args.fp8_only else dtypes[:2 if args.fp8 else 1]:
+            with phase(f"worker {' '.join(extra) or 'bf16'}"):
+                summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, *extra)
             print(f"worker {' '.join(extra) or 'bf16'}: {summary['tokens_per_s']:,.0f} tok/s over "
                   f"{summary['extract_s']} s, steady {summary['steady']:,.0f}, {summary['files']} files, "
-                  f"{summary['bytes'] / 2**30:.2f} GiB, first file {summary['first_file_s']} s after start; "
+                  f"{summary['bytes'] / 2**30:.2f} GiB, first file {summary['first_file_s']} s after start (load "
+                  f"{summary.get('load_s')} s, warm-up {summary.get('warm_s')} s); "
                   f"pipeline {summary.get('pipeline')}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
+            runs[" ".join(extra) or "bf16"] = summary
+        if args.json:
+            args.json.write_text(json.dumps({"workers": runs, "phases": PHASES}, indent=1))
         return 0
     every = batches(work / "data.jsonl", args.token_budget)
     real = sum(len(s) for b in every for s in b)
@@ -402,14 +447,16 @@ def main() -> int:
     # the ceilings are rates, measured over batches spread evenly over the whole run: the worker's batches go
     # longest first within each window of 1024 samples, and a batch's cost per token depends on its
     # lengths (attention grows with them; a delta-rule chunk is 64 tokens however short the samples)
-    packed = every[::max(1, len(every) // args.ceiling_batches)][:args.ceiling_batches]
-    ceilings = bare_and_capture(model_dir, layer_ids, packed, args.bare_only, args.compile)
+    packed = spread(every, args.ceiling_batches)
+    ceilings = bare_and_capture(model_dir, layer_ids, packed, args.bare_only, args.compile, not args.no_reference,
+                                every if args.sustained else None, args.token_budget)
     bare_tps, capture_tps, params, made_s = (ceilings["bare"], ceilings.get("capture", 0.0), ceilings["params"],
                                              ceilings["made_s"])
     mfu = 2 * params * bare_tps / (args.peak_tflops * 1e12)
     torch.cuda.empty_cache()
     print(f"model made on the GPU in {made_s:.1f}s ({params / 1e9:.2f}B non-embedding parameters); kernels switched: "
-          f"{ceilings['kernels'] or 'none'}; bare forward {bare_tps:,.0f} tok/s over {len(packed)} batches = "
+          f"{ceilings['kernels'] or 'none'}; bare forward {bare_tps:,.0f} tok/s over "
+          f"{len(every) if args.sustained else len(packed)} batches = "
           f"{2 * params * bare_tps / 1e12:.0f} TFLOP/s, MFU {mfu:.3f} of {args.peak_tflops:g}; capture "
           f"{capture_tps:,.0f} tok/s", flush=True)
     for name, (tps, err, warm) in ceilings["variants"].items():
@@ -427,22 +474,27 @@ def main() -> int:
     raw_bps = max(disk["serial"], disk["overlapped"])
     raw_tps, sink_tps = raw_bps / bf16_bytes, disk["ours"] / bf16_bytes
     print("sink (bf16 sizes): " + ", ".join(f"{k} {v / 2**30:.3f} GiB/s" for k, v in disk.items()), flush=True)
-    summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget)
+    with phase("worker bf16"):
+        summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget)
     worker_tps = summary["tokens_per_s"]
     steady_tps = summary["steady"]
     shutil.rmtree(out, ignore_errors=True)
     print(f"worker {worker_tps:,.0f} tok/s over {summary['extract_s']} s (steady {steady_tps:,.0f}; first file "
-          f"{summary['first_file_s']} s after its start), padding waste {summary.get('padding_waste')},"
+          f"{summary['first_file_s']} s after its start; load {summary.get('load_s')} s, warm-up "
+          f"{summary.get('warm_s')} s), padding waste {summary.get('padding_waste')},"
           f" peak GPU {summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB; pipeline {summary.get('pipeline')}", flush=True)
     fp8 = None
     if args.fp8:
         disk8 = sink(out.parent / "sink", packed, fp8_bytes, ours=False)
         raw8_tps = max(disk8.values()) / fp8_bytes
-        fp8 = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--out-dtype", "fp8_e4m3")
+        with phase("worker fp8"):
+            fp8 = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--out-dtype", "fp8_e4m3")
         fp8["ceiling"] = min(bare_tps, raw8_tps)
         shutil.rmtree(out, ignore_errors=True)
         print(f"fp8: sink {', '.join(f'{k} {v / 2**30:.3f} GiB/s' for k, v in disk8.items())}; worker "
-              f"{fp8['tokens_per_s']:,.0f} tok/s (steady {fp8['steady']:,.0f}); pipeline {fp8.get('pipeline')}",
+              f"{fp8['tokens_per_s']:,.0f} tok/s (steady {fp8['steady']:,.0f}; first file {fp8['first_file_s']} s "
+              f"after its start, "
+              f"warm-up {fp8.get('warm_s')} s); pipeline {fp8.get('pipeline')}",
               flush=True)
     oom = None
     if args.oom_budget:
@@ -485,7 +537,8 @@ def main() -> int:
                                          "capture": capture_tps, "sink": disk, "worker": worker_tps,
                                          "naive": naive_tps, "ratio": worker_tps / ceiling, "steady": steady_tps,
                                          "variants": ceilings["variants"], "kernels": ceilings["kernels"],
-                                         "summary": summary, "fp8": fp8, "oom": oom}, indent=1))
+                                         "summary": summary, "fp8": fp8, "oom": oom, "phases": PHASES,
+                                         "warm_s": ceilings.get("warm_s")}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
