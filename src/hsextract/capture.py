@@ -17,6 +17,7 @@ from .batching import batch_size_buckets
 from .errors import UsageError
 from .kernels import use_fla_conv
 from .preflight import read_model_info
+from .prewarm import SHORTEST, linear_attention_modules, run_sizes
 
 
 def _decoder_backbone(model: nn.Module) -> nn.Module:
@@ -79,25 +80,17 @@ class LayerCapture:
         for slot, layer_id in enumerate(layer_ids):
             self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
 
-    @torch.inference_mode()
-    def warm_up(self, token_budget: int, shortest: int = 16) -> list[int]:
+    def warm_up(self, token_budget: int, shortest: int = SHORTEST) -> list[int]:
         """Run each kind of linear-attention module once per bucketed batch size a run can meet (up to
         `token_budget // shortest` samples), on random input within the budget: kernels that autotune per
         batch size (fla's cumsum) tune now, not in the middle of the run, and persist their choice on the
-        host (fla caches autotune results), so a later process finds them. Returns the sizes warmed."""
-        modules = {}
-        for layer in self.backbone.layers:
-            module = getattr(layer, "linear_attn", None)
-            if module is not None:
-                modules.setdefault(type(module), module)
+        host (fla caches autotune results), so a later process (or `hsextract.prewarm`'s children, before
+        this) finds them. Returns the sizes warmed."""
+        modules = linear_attention_modules(self.backbone)
         if not modules:
             return []
         sizes = batch_size_buckets(max(1, token_budget // shortest))
-        for size in sizes:
-            width = max(1, min(64, token_budget // size))
-            hidden_BTH = torch.randn(size, width, self.hidden_size, device=self.device, dtype=self.dtype)
-            for module in modules.values():
-                module(hidden_BTH)
+        run_sizes(modules, sizes, token_budget, self.hidden_size, self.device, self.dtype)
         return sizes
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import torch
 
 from . import __version__
 from .batchfile import Unsealed, build_payload, write_unsealed
-from .batching import pack, padded_tokens
+from .batching import batch_size_buckets, pack, padded_tokens
 from .capture import LayerCapture, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
 from .errors import BUSY_EXIT, USAGE_EXIT, Interrupted, ShardBusy, ShardIncomplete, UsageError
@@ -28,6 +29,7 @@ from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, stop_request, write_json_atomic
 from .options import WorkerOptions
 from .preflight import read_model_info
+from .prewarm import SHORTEST, Prewarm, default_procs, mark_tuned, tuned_marker
 from .records import Bad, Record, iter_records
 from .sharding import shard_of
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
@@ -53,6 +55,9 @@ class ShardRun:
         self.drain_s = 0.0  # waiting for the uploader after the last batch
         self.load_s: float | None = None  # making the model (read or built) and putting it on the device
         self.warm_s: float | None = None  # tuning the kernels for every batch size before the first batch (CUDA)
+        self.prewarm: Prewarm | None = None  # the child processes that tuned them while the model loaded
+        self.tuned: Path | None = None  # the file that says this host has tuned them (prewarm.tuned_marker)
+        self.tuned_before = False  # it was there at the start: no tuning processes
         self.pipeline: dict = {}  # BatchWriter.timings() of the extraction loop
         self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
 
@@ -108,18 +113,34 @@ class ShardRun:
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: --random-weights {opts.random_weights}: "
                   f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
                   flush=True)
+        dtype = resolve_dtype(opts.dtype, device)
+        prewarm = self.start_prewarm(device, dtype)
         started = time.monotonic()
-        capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, resolve_dtype(opts.dtype, device),
-                                    random_weights=opts.random_weights)
+        try:
+            capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, dtype,
+                                        random_weights=opts.random_weights)
+        except BaseException:
+            if prewarm:
+                prewarm.kill()
+            raise
         self.load_s = time.monotonic() - started
         how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
         print(f"hsextract: shard {opts.shard}/{opts.num_shards}: model loaded in {self.load_s:.1f}s on {device}"
               + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
+        if prewarm:
+            self.prewarm = prewarm
+            prewarm.wait(PREWARM_TIMEOUT_S)
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: {len(prewarm.procs)} tuning process(es) done "
+                  f"{prewarm.seconds:.1f}s after their start, {self.load_s:.1f}s of it loading the model"
+                  + "".join(f"; failed: {f}" for f in prewarm.failures), file=sys.stderr, flush=True)
+            if not prewarm.failures:
+                mark_tuned(self.tuned)
         if capture.device.type == "cuda":  # kernels that autotune per batch size: tuned before the first batch
             started = time.monotonic()
             sizes = capture.warm_up(opts.token_budget)
             torch.cuda.synchronize()
             self.warm_s = time.monotonic() - started
+            mark_tuned(self.tuned)
             if sizes:
                 print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels warmed for {len(sizes)} batch sizes "
                       f"(1..{sizes[-1]}) in {self.warm_s:.1f}s", file=sys.stderr, flush=True)
@@ -161,6 +182,25 @@ class ShardRun:
         if capture.include_last:
             per += capture.hidden_size * element
         return per + 1  # the non-finite flags: one per sample, at most one per token
+
+    def start_prewarm(self, device: str, dtype: torch.dtype) -> Prewarm | None:
+        """On CUDA with fla (or wherever --tune-procs N asks for them), child processes that tune the kernels
+        for every batch size while the model loads (`hsextract.prewarm`); None when there are none, or when
+        this host tuned the same sizes for the same shapes, GPU and software before (`tuned_marker`)."""
+        opts, procs = self.opts, self.opts.tune_procs
+        if procs is None:
+            auto = device.startswith("cuda") and importlib.util.find_spec("fla") is not None
+            procs = default_procs() if auto else 0
+        if procs == 0:
+            return None
+        sizes = batch_size_buckets(max(1, opts.token_budget // SHORTEST))
+        self.tuned = tuned_marker(opts.model, sizes, device, dtype)
+        if self.tuned is not None and self.tuned.exists():
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels tuned on this host before "
+                  f"({self.tuned}): no tuning processes", file=sys.stderr, flush=True)
+            self.tuned_before = True
+            return None
+        return Prewarm.start(opts.model, sizes, opts.token_budget, device, dtype, procs)
 
     def start_uploader(self) -> None:
         """With an s3:// output: take the store's journals into the spool, and start the uploader."""
@@ -396,6 +436,9 @@ class ShardRun:
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
             **({"warm_s": round(self.warm_s, 3)} if self.warm_s is not None else {}),
+            **({"tune": {"procs": len(self.prewarm.procs), "seconds": round(self.prewarm.seconds, 3),
+                         "failed": len(self.prewarm.failures)}} if self.prewarm else
+               {"tune": {"procs": 0, "tuned_before": True}} if self.tuned_before else {}),
             "extract_s": round(extract_s, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,
@@ -477,6 +520,8 @@ def load_tokenizer(model_dir: Path):
 
 #: on a stop, how long a worker lets its uploads in flight finish (at most half the stop request's grace)
 UPLOAD_STOP_WAIT_S = 5.0
+#: the kernel-tuning children get this long from their start; the worker's own warm-up does what they left
+PREWARM_TIMEOUT_S = 900.0
 
 
 def install_signal_handlers(shard: ShardRun) -> None:

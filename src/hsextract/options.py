@@ -62,6 +62,10 @@ class WorkerOptions:
         "build the model from --model's config.json with random weights (this seed, made on the device) instead "
         "of loading its weights: for benchmarks and for checking a host before the weights arrive; the states "
         "are of no real model (their files say so)", metavar="SEED"))
+    tune_procs: int | None = field(default=None, metadata=option(
+        "on CUDA, child processes that tune the GPU kernels for every batch size while the model loads "
+        "(default: one per two cores, at most 8, where fla is installed; 0: none, the worker tunes them after "
+        "the load)", metavar="N"))
     status_dir: Path | None = field(default=None, metadata=option("heartbeat/exit files (default: shard dir)"))
     heartbeat_interval: float = field(default=2.0, metadata=option("seconds between heartbeats"))
     log_interval: float = field(default=30.0, metadata=option("seconds between log lines (no terminal)"))
@@ -209,6 +213,8 @@ class WorkerOptions:
             raise UsageError("--upload-from memory: only with --out s3://bucket/prefix (a local output is the disk)")
         if self.hash_threads < 0:
             raise UsageError(f"--hash-threads {self.hash_threads}: must be 0 (auto) or more")
+        if self.tune_procs is not None and self.tune_procs < 0:
+            raise UsageError(f"--tune-procs {self.tune_procs}: must be 0 (none) or more")
         if self.upload_memory_bytes <= 0:
             raise UsageError(f"--upload-memory-gb {self.upload_memory_gb:g}: must be positive")
         if self.upload_part_bytes < 5 << 20:
