@@ -1,9 +1,11 @@
 #!/bin/bash
 # The GPU measurements of issue 20, in parts that each fit one device call (10 minutes), on one machine:
-#   bash benchmarks/gpu_session.sh 1   # the 32-layer table (bf16), the GPU ceiling over all the batches (~7 min)
-#   bash benchmarks/gpu_session.sh 4   # correctness; the fp8 worker on the same data (~7 min)
-#   bash benchmarks/gpu_session.sh 2   # correctness; 64 layers: bare forward MFU, torch.compile beside it (~8 min)
-#   bash benchmarks/gpu_session.sh 3   # model load against a raw read (40 layers, ~34 GB); the 8-layer table (~7 min)
+#   bash benchmarks/gpu_session.sh 1   # the 32-layer table: bf16 and fp8 workers, the GPU ceiling over all the
+#                                      # run's batches, clocks and power per phase (~9 min)
+#   bash benchmarks/gpu_session.sh 2   # correctness with the worker's kernels; the 64-layer bare forward's MFU
+#   bash benchmarks/gpu_session.sh 3   # model load against a raw read (32 layers, ~27 GB), tuned host or not
+#   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
+#   bash benchmarks/gpu_session.sh 5   # torch.compile of the decoder layers beside the bare forward (32 layers)
 # Needs flash-linear-attention and fla-core 0.6.0 as wheels in .whl/ (carried to the device); writes its logs
 # and JSON to $OUT (default ./gpu-out). Every figure of a part comes from the one machine that ran it.
 set -o pipefail
@@ -47,22 +49,23 @@ PY
 }
 case "$1" in
 1)
-    timeout 500 python3 benchmarks/gpu_throughput.py --sustained --no-reference --ceiling-batches 24 \
+    timeout 580 python3 benchmarks/gpu_throughput.py --sustained --no-reference --fp8 --ceiling-batches 24 \
         --naive-samples 3 --json "$OUT/tp32.json" 2>&1 | quiet | tee "$OUT/tp32.log"
     clocks "$OUT/tp32.json" | tee -a "$OUT/tp32.log" ;;
-4)
-    timeout 200 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log"
-    timeout 330 python3 benchmarks/gpu_throughput.py --worker-only --fp8-only --json "$OUT/fp8.json" 2>&1 | quiet \
-        | tee "$OUT/fp8.log"
-    clocks "$OUT/fp8.json" | tee -a "$OUT/fp8.log" ;;
 2)
-    timeout 200 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log"
-    timeout 360 python3 benchmarks/gpu_throughput.py --model-layers 64 --bare-only --compile --ceiling-batches 16 \
-        --json "$OUT/tp64.json" 2>&1 | quiet | tee "$OUT/tp64.log" ;;
+    timeout 240 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log"
+    timeout 300 python3 benchmarks/gpu_throughput.py --model-layers 64 --bare-only --no-reference \
+        --ceiling-batches 12 --json "$OUT/tp64.json" 2>&1 | quiet | tee "$OUT/tp64.log" ;;
 3)
-    timeout 330 python3 benchmarks/model_load.py --model-layers 40 2>&1 | quiet | tee "$OUT/load.log"
-    timeout 240 python3 benchmarks/gpu_throughput.py --model-layers 8 --samples 1000 --naive-samples 5 \
-        --json "$OUT/tp8.json" 2>&1 | quiet | tee "$OUT/tp8.log" ;;
+    timeout 560 python3 benchmarks/model_load.py --model-layers 32 2>&1 | quiet | tee "$OUT/load.log" ;;
+4)
+    timeout 300 python3 benchmarks/gpu_throughput.py --model-layers 8 --samples 1000 --naive-samples 5 \
+        --json "$OUT/tp8.json" 2>&1 | quiet | tee "$OUT/tp8.log"
+    clocks "$OUT/tp8.json" | tee -a "$OUT/tp8.log" ;;
+5)
+    timeout 540 python3 benchmarks/gpu_throughput.py --bare-only --compile --no-reference --ceiling-batches 16 \
+        --json "$OUT/compile.json" 2>&1 | quiet | tee "$OUT/compile.log" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5"; exit 2 ;;
 esac
+kill $SMI 2>/dev/null

@@ -155,12 +155,21 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     as the worker warms them. Returns tok/s figures and more."""
     from hsextract.kernels import fla_causal_conv1d, reference_conv, restore_reference_conv, use_fla_conv
 
+    from hsextract.batching import batch_size_buckets
+    from hsextract.prewarm import SHORTEST, Prewarm, default_procs
+
     tokens = sum(len(s) for b in packed for s in b)
     bare_tokens = sum(len(s) for b in sustained or packed for s in b)
+    # the worker's start: kernels tuned for every batch size by child processes while the model is made
+    tuning = Prewarm.start(model_dir, batch_size_buckets(budget // SHORTEST), budget, "cuda", torch.bfloat16,
+                           default_procs())
     began = time.perf_counter()
     capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16, random_weights=SEED)
     torch.cuda.synchronize()
     out = {"made_s": time.perf_counter() - began, "kernels": capture.kernels}
+    out["tune_s"] = tuning.wait(900)
+    if tuning.failures:
+        print(f"tuning processes failed: {tuning.failures}", flush=True)
     out["params"] = sum(p.numel() for name, p in capture.backbone.named_parameters() if "embed_tokens" not in name)
 
     def one(batch):
@@ -190,7 +199,10 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
 
     began = time.perf_counter()
     capture.warm_up(budget)
+    torch.cuda.synchronize()
     out["warm_s"] = time.perf_counter() - began
+    print(f"kernels tuned by {len(tuning.procs)} processes in {out['tune_s']:.1f}s from their start (model made in "
+          f"{out['made_s']:.1f}s meanwhile), then warmed in {out['warm_s']:.1f}s", flush=True)
     if not bare_only:
         run_capture()  # warm-up: kernels compiled, allocator filled
     for i in layer_ids:
@@ -307,7 +319,7 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
 
 
 def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *extra: str,
-           random_weights: bool = True) -> dict:
+           random_weights: bool = True, env: dict | None = None) -> dict:
     """`hsextract extract` over the whole dataset (random weights, SEED, unless `random_weights` is False:
     then the checkpoint in `model_dir`); its batch files are deleted once
     journaled, so the disk never holds more than a few. Its summary, with `steady` (tok/s after its first
@@ -318,7 +330,8 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *ex
            "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", "cuda",
            "--token-budget", str(budget), "--progress", "log", "--max-length", "4096",
            *(("--random-weights", str(SEED)) if random_weights else ()), *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     began = time.time()
     done = threading.Event()
     files: list[dict] = []

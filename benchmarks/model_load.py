@@ -10,7 +10,10 @@ of `--model-layers` layers as safetensors (5 GB shards), then, each with the pag
   - LayerCapture: the worker's own load, synchronized: straight to the GPU (`device_map`) where `accelerate`
     is importable, else the same as the row above;
   - the worker process (`hsextract extract` over `--samples` samples): start to its first batch file
-    journaled, and its whole extraction.
+    journaled, and its whole extraction; three times: on a host whose kernels were never tuned (an empty
+    Triton cache) with no tuning processes (`--tune-procs 0`: the worker tunes every batch size after the
+    load), the same with the default tuning processes (while the load goes on), and once more on the cache
+    that run left (a host's later starts).
 Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
 """
 
@@ -110,16 +113,26 @@ def main() -> int:
 
     seconds = timed_load(worker_load)
     rows.append((f"LayerCapture: the worker's load ({paths[0]})", seconds))
-    drop_caches()
-    summary = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, random_weights=False)
-    rows.append(("worker: its model load (summary load_s)", summary["load_s"]))
-    rows.append(("worker: process start to its first batch file", summary["first_file_s"]))
+    runs = {}
+    for name, extra, cache in (("untuned host, --tune-procs 0", ("--tune-procs", "0"), "cold-a"),
+                               ("untuned host, tuning processes", (), "cold-b"),
+                               ("tuned host (the cache the run above left)", (), "cold-b")):
+        drop_caches()
+        shutil.rmtree(work / "out", ignore_errors=True)
+        summary = runs[name] = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, *extra,
+                                      random_weights=False, env={"TRITON_CACHE_DIR": str(work / cache)})
+        print(f"worker, {name}: load {summary['load_s']} s, tuning {summary.get('tune')}, warm-up "
+              f"{summary.get('warm_s')} s, first file {summary['first_file_s']} s after its start", flush=True)
+        rows.append((f"worker, {name}: its model load (load_s)", summary["load_s"]))
+        rows.append((f"worker, {name}: start to first batch file", summary["first_file_s"]))
     print(f"\n{'what (' + ('cache dropped before each' if cold else 'cache warm: drop_caches refused') + ')':<60} "
           f"{'s':>8} {'GB/s':>8} {'x raw':>7}")
     for name, seconds in rows:
         print(f"{name:<60} {seconds:>8.1f} {size / 1e9 / seconds:>8.2f} {seconds / raw_s:>7.2f}")
-    print(f"\nworker / raw read = {summary['first_file_s'] / raw_s:.2f} (goal <= 1.2); its extraction "
-          f"{summary['tokens_per_s']:,.0f} tok/s over {summary['extract_s']} s; GPU {torch.cuda.get_device_name()}")
+    for name, summary in runs.items():
+        print(f"worker, {name}: start to first batch / raw read = {summary['first_file_s'] / raw_s:.2f} "
+              f"(goal <= 1.2); its extraction {summary['tokens_per_s']:,.0f} tok/s over {summary['extract_s']} s")
+    print(f"GPU {torch.cuda.get_device_name()}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
