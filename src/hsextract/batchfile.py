@@ -9,148 +9,40 @@ String metadata: `format_version`, `sample_ids` (JSON list, in order), `layer_id
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from .payload import FORMAT_VERSION, Entry, Payload, WrittenFile, layout, write_payload
 from .quant import FP8_ENCODING, SCALE_KEY, dequantize
-from .store import fsync_dir
-
-FORMAT_VERSION = "1"
 
 
-@dataclass(frozen=True)
-class WrittenFile:
-    """A batch file made durable and put in place: its name, size and sha256."""
-    name: str
-    bytes: int
-    sha256: str
-
-
-# safetensors' dtype names, in the order of its Dtype enum (tensors of one element size sort by it, larger first)
+# safetensors' dtype names of the torch dtypes a batch file may hold
 DTYPE_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
                torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int32: "I32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
-_RANK = {dtype: rank for rank, dtype in enumerate(DTYPE_NAMES)}
-
-
-@dataclass
-class Payload:
-    """A batch file as its safetensors header and views of the tensors' own memory: nothing is copied.
-
-    The views stay valid while `tensors` live; a writer sends `parts` to the file in order. `sha256` is
-    None until `hash()` ran (a writer may hash several files at once on other threads: hashlib releases
-    the GIL on large buffers, and one core hashes slower than a fast disk writes)."""
-
-    parts: list  # bytes (the header) and memoryviews (the tensors' data)
-    size: int
-    sha256: str | None
-    tensors: list = field(repr=False)
-
-    def hash(self) -> str:
-        """Compute (and keep) the sha256 of the parts, in order."""
-        digest = hashlib.sha256()
-        for part in self.parts:
-            digest.update(part)
-        self.sha256 = digest.hexdigest()
-        return self.sha256
-
-    def tobytes(self) -> bytes:
-        """The whole file as one bytes object (for an upload from memory)."""
-        return b"".join(self.parts)  # one copy, made with the GIL released
 
 
 def build_payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str], hashed: bool = True) -> Payload:
     """The safetensors layout of `tensors` (the layout `safetensors.torch.save` makes: data sorted by element
     size, then dtype, then name; the header padded to 8 bytes) and, if `hashed`, its sha256, without
     serializing a copy."""
+    entries = []
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu" or tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name!r}: {tensor.dtype} on {tensor.device} cannot go into a batch file")
-    entries, parts, kept, offset = {}, [], [], 0
-    for name, tensor in sorted(tensors.items(),
-                               key=lambda kv: (-kv[1].element_size(), -_RANK[kv[1].dtype], kv[0])):
         tensor = tensor.detach().contiguous()
-        size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + size]}
-        offset += size
-        if size:
-            parts.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-            kept.append(tensor)
-    header = json.dumps({"__metadata__": {"format_version": FORMAT_VERSION, **metadata}, **entries},
-                        separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    parts.insert(0, len(header).to_bytes(8, "little") + header)
-    payload = Payload(parts, 8 + len(header) + offset, None, kept)
-    if hashed:
-        payload.hash()
-    return payload
+        data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+        entries.append(Entry(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), data))
+    return layout(entries, metadata, hashed)
 
 
 def write_batch(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> WrittenFile:
     """Lay out, write to a temp file, fsync, rename into place, fsync the directory."""
     return write_payload(path, build_payload(tensors, metadata))
-
-
-@dataclass
-class Unsealed:
-    """A batch file written to its temp name, not yet durable nor in place."""
-
-    path: Path
-    tmp: Path
-    fd: int
-    size: int
-    sha256: str
-
-    def seal(self) -> WrittenFile:
-        """fsync, rename into place, fsync the directory: from here on the file survives a crash."""
-        try:
-            try:
-                os.fsync(self.fd)
-            finally:
-                os.close(self.fd)
-        except OSError as exc:  # a full or failing disk shows up here too: name the file
-            self.tmp.unlink(missing_ok=True)
-            raise OSError(exc.errno, exc.strerror, str(self.tmp)) from exc
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
-        return WrittenFile(self.path.name, self.size, self.sha256)
-
-    def abandon(self) -> None:
-        """Close and remove the temp file (a write that will not be sealed)."""
-        os.close(self.fd)
-        self.tmp.unlink(missing_ok=True)
-
-
-def write_unsealed(path: Path, payload: Payload) -> Unsealed:
-    """Copy `payload` into the page cache under a temp name (the disk catches up during `seal`)."""
-    if payload.sha256 is None:
-        raise ValueError(f"{path.name}: its payload was never hashed")
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-    try:
-        for part in payload.parts:
-            view = memoryview(part)
-            while view:
-                view = view[os.write(fd, view):]  # the GIL is released while the kernel copies
-    except BaseException as exc:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise OSError(exc.errno, exc.strerror, str(tmp)) from exc
-        raise
-    return Unsealed(path, tmp, fd, payload.size, payload.sha256)
-
-
-def write_payload(path: Path, payload: Payload) -> WrittenFile:
-    """Write `payload` durably at `path`: temp file, fsync, rename into place, fsync the directory."""
-    return write_unsealed(path, payload).seal()
 
 
 class BatchFile:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .batchfile import Unsealed, build_payload, write_unsealed
+from .batchfile import build_payload
 from .batching import batch_size_buckets, pack, padded_tokens
 from .capture import LayerCapture, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
@@ -28,6 +28,7 @@ from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, stop_request, write_json_atomic
 from .options import WorkerOptions
+from .payload import Unsealed, write_unsealed
 from .preflight import read_model_info
 from .prewarm import SHORTEST, Prewarm, default_procs, mark_tuned, tuned_marker
 from .records import Bad, Record, iter_records

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batchfile import Payload
+from .payload import Payload
 from .chat import Tokenized
 from .staging import HostStaging, staging_plan
 

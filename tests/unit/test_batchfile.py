@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from hsextract.batchfile import DTYPE_NAMES, build_payload, write_batch, write_unsealed
+from hsextract.batchfile import DTYPE_NAMES, build_payload, write_batch
+from hsextract.payload import write_unsealed
 
 
 def every_dtype() -> dict[str, torch.Tensor]:
@@ -95,3 +96,19 @@ def test_a_mapped_file_and_shared_memory_give_views_of_one_storage(tmp_path):
     assert held.tensors["cu_seqlens"].untyped_storage().is_shared()
     mapped.tensors["cu_seqlens"][0] = 7  # copy-on-write: the file is not changed
     assert path.read_bytes() == before
+
+
+def test_the_torch_free_layout_makes_the_same_file_from_raw_bytes():
+    """The synthetic worker (no torch) lays files out from buffers: byte for byte the file torch's path makes."""
+    from hsextract.payload import Entry, layout
+
+    tensors = every_dtype()
+    want = build_payload(tensors, {"k": "v"})
+    entries = [Entry(name, DTYPE_NAMES[t.dtype], tuple(t.shape), bytes(t.contiguous().reshape(-1).view(torch.uint8)
+                                                                        .numpy()))
+               for name, t in tensors.items()]
+    got = layout(entries, {"k": "v"})
+    assert got.sha256 == want.sha256 and got.size == want.size
+    assert b"".join(bytes(p) for p in got.parts) == b"".join(bytes(p) for p in want.parts)
+    with pytest.raises(ValueError, match=r"tensor 'x': 6 bytes for BF16 \[2, 2\]"):
+        layout([Entry("x", "BF16", (2, 2), b"\0" * 6)], {})
