@@ -58,6 +58,16 @@ class Payload:
         return b"".join(self.parts)  # one copy, made with the GIL released
 
 
+@dataclass
+class Prepared:
+    """A batch file laid out and hashed (its data still in the staging buffers), waiting to be written."""
+
+    name: str
+    payload: Payload
+    ids: list[str]
+    lengths: list[int]
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of a file: its safetensors dtype name, shape and contiguous bytes (any buffer)."""

@@ -14,7 +14,6 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,16 +26,6 @@ if TYPE_CHECKING:
     from .extract import ShardRun
 
 BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to the writer thread
-
-
-@dataclass
-class Prepared:
-    """A batch file laid out and hashed (its data still in the staging buffers), waiting to be written."""
-
-    name: str
-    payload: Payload
-    ids: list[str]
-    lengths: list[int]
 
 
 class BatchWriter:
