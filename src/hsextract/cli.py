@@ -107,6 +107,10 @@ def _extract(opts: WorkerOptions, capture) -> int:
     heartbeat.progress.confined = confined.active
     heartbeat.progress.phase = "importing"
     heartbeat.start()  # the first heartbeat comes before torch is imported
+    if opts.synthetic is not None:
+        from .synthetic import run_synthetic  # no torch
+
+        return run_synthetic(opts, heartbeat)
     from .extract import run_shard  # imports torch
 
     return run_shard(opts, heartbeat, capture)

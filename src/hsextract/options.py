@@ -62,6 +62,11 @@ class WorkerOptions:
         "build the model from --model's config.json with random weights (this seed, made on the device) instead "
         "of loading its weights: for benchmarks and for checking a host before the weights arrive; the states "
         "are of no real model (their files say so)", metavar="SEED"))
+    synthetic: float | None = field(default=None, metadata=option(
+        "no model: write random states of the real per-token size (the model's hidden size x the layers) at "
+        "this many tokens a second, through the same journal, liveness and upload path, importing no torch "
+        "(fleet simulations, preflights); chat records count one token per 4 characters (their files say "
+        "synthetic)", metavar="TOKENS_PER_S"))
     tune_procs: int | None = field(default=None, metadata=option(
         "on CUDA, child processes that tune the GPU kernels for every batch size while the model loads "
         "(default: one per two cores, at most 8, where fla is installed; 0: none, the worker tunes them after "
@@ -104,7 +109,7 @@ class WorkerOptions:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=meta["help"])
                 continue
-            kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+            kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(f.type, str)
             if f.type in ("Path", "Path | None"):
                 kind = Path
             parser.add_argument(flag, type=kind, required=meta["required"], help=meta["help"],
@@ -213,6 +218,10 @@ class WorkerOptions:
             raise UsageError("--upload-from memory: only with --out s3://bucket/prefix (a local output is the disk)")
         if self.hash_threads < 0:
             raise UsageError(f"--hash-threads {self.hash_threads}: must be 0 (auto) or more")
+        if self.synthetic is not None and not self.synthetic > 0:
+            raise UsageError(f"--synthetic {self.synthetic:g}: must be a positive number of tokens a second")
+        if self.synthetic is not None and self.random_weights is not None:
+            raise UsageError("--synthetic and --random-weights: choose one (--synthetic runs no model at all)")
         if self.tune_procs is not None and self.tune_procs < 0:
             raise UsageError(f"--tune-procs {self.tune_procs}: must be 0 (none) or more")
         if self.upload_memory_bytes <= 0:

@@ -8,7 +8,10 @@ the README). The reader multiplies back and returns bf16, so consumers see the s
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FP8_ENCODING = "fp8_e4m3_per_token_layer_scale"  # metadata `hidden_states_encoding`
 SCALE_KEY = "hidden_states_scale"
@@ -22,6 +25,8 @@ def fp8_bytes_per_token(width: int, layers: int) -> int:
 
 def quantize(states_TW: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, L*H] -> ([T, L*H] float8_e4m3fn, [T, L] float32 scales), on the tensor's device."""
+    import torch  # here: the constants above serve the synthetic worker, which imports no torch
+
     tokens = states_TW.shape[0]
     layers_TLH = states_TW.float().view(tokens, -1, hidden)
     scale_TL = layers_TLH.abs().amax(dim=-1).clamp_min(1e-12) / E4M3_MAX
@@ -29,8 +34,10 @@ def quantize(states_TW: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.
     return q_TLH.view(tokens, -1), scale_TL
 
 
-def dequantize(q_TW: torch.Tensor, scale_TL: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[T, L*H] fp8 states and [T, L] scales back to `dtype` (what the reader returns)."""
+def dequantize(q_TW: torch.Tensor, scale_TL: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, L*H] fp8 states and [T, L] scales back to `dtype` (default bfloat16: what the reader returns)."""
+    import torch
+
     tokens, layers = scale_TL.shape
     values_TLH = q_TW.float().view(tokens, layers, -1) * scale_TL.float()[..., None]
-    return values_TLH.view(tokens, -1).to(dtype)
+    return values_TLH.view(tokens, -1).to(dtype or torch.bfloat16)

@@ -18,7 +18,7 @@ import hsextract
 from hsextract.errors import UsageError
 from hsextract.options import WorkerOptions
 from hsextract.prewarm import Prewarm, shares, standalone_modules
-from tests.harness.worker import run_extract, summary_of
+from harness.worker import run_extract, summary_of
 
 
 def test_sizes_are_dealt_round_robin_and_no_child_is_idle():
