@@ -9,6 +9,7 @@ from this signature, and where the runner loads this file under a module name of
 string annotations cannot be resolved.)
 """
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -28,6 +29,7 @@ from tasks.orphans import close_orphans
 from tasks.plan import ROOT, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
 from tasks.rerun import completed, failed, incomplete, related_resources, unreconciled
+from tasks.monitor import HostPool
 from tasks.slots import run_shards
 
 __all__ = ["PARAMETERS", "ROOT", "extract"]
@@ -45,7 +47,7 @@ PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num
               "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s",
               "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts", "reset_attempts",
               "rerun_depth", "max_reruns", "status_interval_s", "progress_timeout_s", "spool_high_gb",
-              "spool_low_gb", "confine", "cancel_grace_s")
+              "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s")
 
 
 def flow_run_name() -> str:
@@ -111,6 +113,7 @@ def extract(
     spool_low_gb: Annotated[float, Field(gt=0)] = W.spool_low_gb,
     confine: Literal[CONFINE_MODES] = W.confine,
     cancel_grace_s: Annotated[float, Field(ge=0)] = 60.0,
+    synthetic_tokens_per_s: Annotated[float, Field(gt=0)] | None = None,
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -128,6 +131,9 @@ def extract(
     every worker of its run_name on every host (SIGTERM: the file in flight is finished and journaled; SIGKILL
     after `cancel_grace_s`, on the host itself) and ends Cancelled; automated re-runs of it are held until a
     person starts it again, which resumes it (tasks/cancel.py).
+
+    `synthetic_tokens_per_s`: the workers run no model (`hsextract extract --synthetic`): random states of the
+    real size at that rate through the same files, journals and uploads, for simulating a fleet.
     """
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()
@@ -153,7 +159,14 @@ def extract(
                                  else (set(), {}))
             for failure in failures.values():
                 board.host_failed(failure.host, failure.why)
-            done, shard_failures = run_shards(plan, healthy, board, failures, cancel)
+            d = plan.deadlines
+            with HostPool(plan.inventory, d.poll_interval_s, d.command_timeout_s, cancel.event) as pool:
+                began = time.monotonic()
+                done, shard_failures = run_shards(plan, healthy, board, failures, cancel, pool)
+                s = pool.stats()
+                log.info("run %s: supervised with %d probe round trip(s) to %d host(s) in %.0fs, %d SSH "
+                         "connection(s) made (shared by launches, probes and kills)", plan.run, s["round_trips"],
+                         s["hosts"], time.monotonic() - began, s["connections"])
         return conclude(plan, board, done, {**plan.failures, **failures, **shard_failures}, params, log)
     except cancel_signals() as exc:
         return cancelled(plan, board, cancel, exc, log)

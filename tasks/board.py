@@ -39,6 +39,10 @@ SETTLED = ("done", "failed", "capped")  # kept in the attempt record (a complete
 CELL_CHARS = 100  # the table's error cells; the failure-<run> artifact has the whole story
 
 
+#: most shard progress artifacts created or updated per second, all shards together
+PROGRESS_UPDATES_PER_S = 4.0
+
+
 def run_key(run: str) -> str:
     """`run` as an artifact-key fragment (lowercase letters, digits, dashes); a hash keeps odd names apart."""
     slug = re.sub(r"[^a-z0-9-]+", "-", run.lower()).strip("-")[:60] or "run"
@@ -126,6 +130,10 @@ class Board:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._log = get_run_logger()
+        # progress artifact updates, all shards together: a token bucket of PROGRESS_UPDATES_PER_S (the API's
+        # load stays bounded at 256 shards; a shard refused now goes at one of its next readings)
+        self._tokens, self._refilled = float(PROGRESS_UPDATES_PER_S), time.monotonic()
+        self.progress_updates = 0  # progress artifacts created or updated so far
 
     # --- what the flow tells it -------------------------------------------------------------------------
     def set_state(self, shard: int, state: str, reason: str = "", retryable: bool = True, **payload) -> None:
@@ -203,6 +211,12 @@ class Board:
         now = time.monotonic()
         if not force and (percent == row.progress_sent or now - row.progress_at < min(self.interval_s, 5.0)):
             return
+        with self._lock:
+            self._tokens = min(PROGRESS_UPDATES_PER_S, self._tokens + (now - self._refilled) * PROGRESS_UPDATES_PER_S)
+            self._refilled = now
+            if not force and self._tokens < 1:
+                return
+            self._tokens -= 1
         description = f"run {self.run} shard {row.shard}/{self.num_shards} on {row.host or '?'}: " \
                       f"{row.samples_done}/{row.samples_total} samples"
         try:
@@ -212,6 +226,7 @@ class Board:
             else:
                 update_progress_artifact(row.progress_id, percent, description=description)
             row.progress_at, row.progress_sent = now, percent
+            self.progress_updates += 1
         except Exception as exc:  # the UI is a view: a failed update never fails the shard
             self._log.warning("run %s shard %d: progress artifact not updated: %s", self.run, row.shard, exc)
 

@@ -124,6 +124,18 @@ def probe_cmd(control: str, journal: str) -> str:
     )
 
 
+def probe_many_cmd(shards: list[tuple[str, str, str]], nonce: str) -> str:
+    """`probe_cmd` for many shards of one host in one round trip, without the log tails (a failure fetches its
+    shard's with `probe_cmd`): `shards` is (key, control dir, journal); each shard's sections follow a line
+    `===<nonce> <key>` (`nonce`: fresh per call, so nothing a worker wrote can pass for one; parsed by
+    `parse_probe_many`)."""
+    parts = []
+    for key, control, journal in shards:
+        body = probe_cmd(control, journal).rsplit("; echo '---LOG'", 1)[0]
+        parts.append(f"echo {quote(f'==={nonce} {key}')}; ( {body} )")
+    return "; ".join(parts) + f"; echo {quote(f'==={nonce} END')}"
+
+
 def kill_cmd(control: str) -> str:
     """SIGKILL the shard's process group, only if pid and start time still match (no reused pid)."""
     return (f"cd {quote(control)} && pid=$(cat pid) && [ \"$({_proc_start('$pid')})\" = \"$(cat pid.start)\" ] && "
@@ -204,6 +216,20 @@ def _json_or_none(text: str) -> dict | None:
     except json.JSONDecodeError:
         return None  # half-written is impossible (atomic renames); anything else is not ours
     return value if isinstance(value, dict) else None
+
+
+def parse_probe_many(stdout: str, nonce: str) -> dict[str, Probe]:
+    """The probes `probe_many_cmd` printed, by key; the output must end with its END line (a cut-off round trip
+    reads as nothing)."""
+    mark = f"\n==={nonce} "  # at a line's start: a worker's JSON holds no raw newline
+    text = "\n" + stdout
+    if f"{mark}END\n" not in text + "\n":
+        return {}
+    out = {}
+    for chunk in text.split(f"{mark}END", 1)[0].split(mark)[1:]:
+        key, _, body = chunk.partition("\n")
+        out[key.strip()] = parse_probe(body)
+    return out
 
 
 def parse_probe(stdout: str) -> Probe:

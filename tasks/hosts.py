@@ -64,7 +64,7 @@ class HostError(Exception):
     def __init__(self, host: str, command: str, reason: str, transient: bool, sent: bool = True):
         super().__init__(f"host {host}: `{tail(command, 600)}`: {reason}" if sent else
                          f"host {host}: {reason} (so `{tail(command, 120)}` was never sent)")
-        self.host, self.command, self.reason, self.transient = host, command, reason, transient
+        self.host, self.command, self.reason, self.transient, self.sent = host, command, reason, transient, sent
 
 
 class Host(ABC):
@@ -124,17 +124,30 @@ class SshTimeouts:
     keepalive_s: float = 5.0
 
 
+#: most channels (commands) an SshHost opens at once on its connection: under sshd's default MaxSessions (10)
+MAX_CHANNELS = 8
+
+
 class SshHost(Host):
     """A host reached with fabric. Host keys are checked against known_hosts unless the inventory opts in."""
 
-    def __init__(self, spec: HostSpec, inventory: Inventory, timeouts: SshTimeouts = SshTimeouts()):
+    def __init__(self, spec: HostSpec, inventory: Inventory, timeouts: SshTimeouts = SshTimeouts(),
+                 channels: int = 1):
         super().__init__(spec)
         self.inventory = inventory
         self.timeouts = timeouts
         self._conn = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # making the connection
+        self._sftp_lock = threading.Lock()  # one file transfer at a time on the connection's SFTP session
+        self.connections = 0  # made so far (a dropped one is made again when next needed)
+        # commands at once on the one connection (sshd's MaxSessions is 10 by default)
+        self._channels = threading.BoundedSemaphore(max(1, min(channels, MAX_CHANNELS)))
 
     def _connection(self):
+        with self._lock:
+            return self._connect()
+
+    def _connect(self):
         from fabric import Connection
         from paramiko import AutoAddPolicy, RejectPolicy
 
@@ -157,6 +170,7 @@ class SshHost(Host):
         conn.open()
         conn.transport.set_keepalive(int(t.keepalive_s))
         self._conn = conn
+        self.connections += 1
         return conn
 
     def _guarded(self, what: str, deadline: float, fn):
@@ -175,7 +189,7 @@ class SshHost(Host):
                 box["error"] = exc
 
         thread = threading.Thread(target=target, daemon=True, name=f"ssh-{self.name}")
-        with self._lock:
+        with self._channels:
             thread.start()
             thread.join(deadline + self.timeouts.grace_s)
             if thread.is_alive():
@@ -223,13 +237,14 @@ class SshHost(Host):
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # unique per call: concurrent puts of one path
 
         def go(conn):
-            sftp = conn.sftp()
             parent = path.rsplit("/", 1)[0] or "/"
             conn.run(wrap(f"mkdir -p -- {quote(parent)}"), hide=True, in_stream=False, timeout=timeout)
-            with sftp.open(tmp, "wb") as handle:  # narrowed before a byte is written (secrets use 0600)
-                sftp.chmod(tmp, mode)
-                handle.write(data)
-            sftp.posix_rename(tmp, path)
+            with self._sftp_lock:
+                sftp = conn.sftp()
+                with sftp.open(tmp, "wb") as handle:  # narrowed before a byte is written (secrets use 0600)
+                    sftp.chmod(tmp, mode)
+                    handle.write(data)
+                sftp.posix_rename(tmp, path)
 
         self._guarded(f"put {path}", self.timeouts.connect_s + timeout, go)
 
@@ -242,6 +257,7 @@ class SshHost(Host):
                 pass
 
 
-def connect(spec: HostSpec, inventory: Inventory) -> Host:
-    """The host of `spec`: this machine for `hostname: local`, else over SSH (not connected until used)."""
-    return LocalHost(spec) if spec.is_local else SshHost(spec, inventory)
+def connect(spec: HostSpec, inventory: Inventory, channels: int = 1) -> Host:
+    """The host of `spec`: this machine for `hostname: local`, else over SSH (not connected until used; up to
+    `channels` commands at once on its one connection)."""
+    return LocalHost(spec) if spec.is_local else SshHost(spec, inventory, channels=channels)

@@ -131,7 +131,7 @@ def worker_options(p: dict, access: S3Access) -> WorkerOptions:
         token_budget=p["token_budget"], device=p["device"], dtype=p["dtype"], out_dtype=p["out_dtype"],
         progress="log", confine=p["confine"], heartbeat_interval=p["heartbeat_interval_s"],
         spool_high_gb=p["spool_high_gb"], spool_low_gb=p["spool_low_gb"], upload_from=p["upload_from"],
-        upload_memory_gb=p["upload_memory_gb"])
+        upload_memory_gb=p["upload_memory_gb"], synthetic=p.get("synthetic_tokens_per_s"))
     if p["spool_low_gb"] > p["spool_high_gb"]:
         raise ValueError(f"spool_low_gb={p['spool_low_gb']:g} is over spool_high_gb={p['spool_high_gb']:g}: "
                          f"extraction pauses above the high-water mark and resumes below the low one")

@@ -7,6 +7,7 @@ process is alive, has printed `STARTED` and written a heartbeat; anything else w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -22,10 +23,11 @@ from hsextract.liveness import STOP_KINDS
 from hsextract.options import WorkerOptions
 from hsextract.store.s3 import KEY_ENV
 
-from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, probe_cmd, quote
+from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, quote
 from .credentials import CREDENTIALS_FILE, load_access
 from .failures import Failure, last_line, one_line
 from .hosts import Host, HostError, Result, connect, tail
+from .monitor import DirectWatch, HostPool, probe
 from .inventory import HostSpec, Inventory
 
 
@@ -173,11 +175,6 @@ def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Resul
     return ShardFailed("\n".join(parts), failure)
 
 
-def probe(host: Host, job: ShardJob, timeout: float) -> Probe:
-    """One round trip: the shard's pid state, STARTED line, heartbeat, exit status, journal tail, log tail."""
-    return parse_probe(host.run(probe_cmd(job.control_dir, job.journal), timeout).stdout)
-
-
 def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
     """Start (or adopt) the shard's worker and wait for its proof of life; ShardFailed with the reason and
     the worker log's tail otherwise."""
@@ -242,25 +239,28 @@ def _exit_code(state: Probe) -> int | None:
 
 
 def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: Deadlines, log=None,
-                    on_probe=None, cancel: threading.Event | None = None) -> dict:
+                    on_probe=None, cancel: threading.Event | None = None, watch=None) -> dict:
     """Poll until the shard is done (returns its summary) or not (raises ShardFailed; ShardStopped when its
     worker ended on a stop request, or at once when `cancel` is set: the run is being cancelled).
 
-    `on_probe(heartbeat, heartbeat_age)`, when given, sees every successful probe (the UI's view)."""
+    The readings come from `watch` (`monitor.ShardWatch`: its host's shared round trips), else from probes of
+    its own over `host` every `poll_interval_s`. `on_probe(heartbeat, heartbeat_age)`, when given, sees every
+    successful reading (the UI's view)."""
     cancel = cancel or threading.Event()
+    watch = watch or DirectWatch(host, job, deadlines.poll_interval_s, deadlines.command_timeout_s)
     last_ok = time.monotonic()
     last_progress, progress_at = None, time.monotonic()
     last_log = 0.0
     while True:
         try:
-            state = probe(host, job, deadlines.command_timeout_s)
+            state = watch.next(cancel)
         except HostError as exc:
             down = time.monotonic() - last_ok
             if not exc.transient or down > deadlines.host_timeout_s:
                 raise _failure(job, f"host unreachable for {down:.0f}s: {exc}") from None
-            if cancel.wait(min(deadlines.poll_interval_s, 1.0)):
-                raise ShardStopped("cancelled", "the flow run is being cancelled")
             continue
+        if state is None:
+            raise ShardStopped("cancelled", "the flow run is being cancelled")
         last_ok = time.monotonic()
         if state.pid != launched.pid or state.recorded_start != launched.start:
             raise _failure(job, f"pid {launched.pid} was replaced by another launch (pid {state.pid})", state,
@@ -275,19 +275,21 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
             if code == 0 and (state.journal_last or {}).get("kind") == "done":
                 return state.journal_last["summary"]
             if code == 0:
-                raise _failure(job, "worker exited 0 but its journal has no 'done' entry", state)
-            raise _failure(job, f"worker exited with code {code}: {state.exit.get('reason')}", state, code=code)
+                raise _failure(job, "worker exited 0 but its journal has no 'done' entry", watch.detail(state))
+            raise _failure(job, f"worker exited with code {code}: {state.exit.get('reason')}", watch.detail(state),
+                           code=code)
         if not state.alive:
             what = "a zombie" if state.state == "Z" else "gone"
             raise _failure(job, f"lost: worker pid {launched.pid} is {what} and left no exit status "
-                                f"(killed -9, OOM-killed, or the host rebooted)", state, quote_log=False)
+                                f"(killed -9, OOM-killed, or the host rebooted)", watch.detail(state),
+                           quote_log=False)
         beat = state.heartbeat or {}
         age = state.heartbeat_age
         if age is None or age > deadlines.stall_timeout_s:
             host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             stopped = " (process is stopped, state T)" if state.state == "T" else ""
             raise _failure(job, f"stalled: no heartbeat for {age or 0:.1f}s{stopped}; killed pid {launched.pid}",
-                           state, quote_log=False)
+                           watch.detail(state), quote_log=False)
         # uploads count as progress: over its spool's high-water mark a worker waits for them, rightly
         progress = (beat.get("samples_done"), beat.get("tokens_done"), beat.get("bytes_uploaded"))
         if progress != last_progress:
@@ -296,21 +298,31 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
               and time.monotonic() - progress_at > deadlines.progress_timeout_s):
             host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             raise _failure(job, f"stalled: no progress for {deadlines.progress_timeout_s:.0f}s (no sample finished, "
-                                f"no byte uploaded, phase {beat.get('phase')}); killed", state, quote_log=False)
+                                f"no byte uploaded, phase {beat.get('phase')}); killed", watch.detail(state),
+                           quote_log=False)
         if log is not None and time.monotonic() - last_log > 30:
             last_log = time.monotonic()
             log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),
                      beat.get("samples_total"), beat.get("tokens_per_s", 0))
-        if cancel.wait(deadlines.poll_interval_s):
-            raise ShardStopped("cancelled", "the flow run is being cancelled")
 
 
-def remove_credentials_file(job: ShardJob, inventory: Inventory, timeout: float = 30.0) -> None:
+@contextlib.contextmanager
+def host_of(job: ShardJob, inventory: Inventory, pool: HostPool | None):
+    """The shard's host: the pool's shared one, else a connection of its own for the block."""
+    if pool is not None:
+        yield pool.host(job.host)
+        return
+    with connect(inventory.host(job.host), inventory) as host:
+        yield host
+
+
+def remove_credentials_file(job: ShardJob, inventory: Inventory, timeout: float = 30.0,
+                            pool: HostPool | None = None) -> None:
     """Remove the shard's credentials file from its host (the worker also removes it when it exits); HostError
     when the host would not."""
     if job.options.aws_credentials_file is None:
         return
-    with connect(inventory.host(job.host), inventory) as host:
+    with host_of(job, inventory, pool) as host:
         result = host.run(f"rm -f {quote(job.options.aws_credentials_file)}", timeout)
     if not result.ok:
         raise HostError(job.host, result.command, f"could not remove the credentials file: {result.describe()}",
@@ -318,9 +330,9 @@ def remove_credentials_file(job: ShardJob, inventory: Inventory, timeout: float 
 
 
 @task(name="launch", cache_policy=NO_CACHE, task_run_name="launch-shard-{job.shard}")
-def launch(job: ShardJob, inventory: Inventory, deadlines: Deadlines) -> Launched:
-    """Task: `launch_shard` over a connection of its own."""
-    with connect(inventory.host(job.host), inventory) as host:
+def launch(job: ShardJob, inventory: Inventory, deadlines: Deadlines, pool: HostPool | None = None) -> Launched:
+    """Task: `launch_shard` over the pool's connection to the host (else one of its own)."""
+    with host_of(job, inventory, pool) as host:
         launched = launch_shard(host, job, deadlines)
     get_run_logger().info("%s: %s pid %d, %s, first heartbeat after %.1fs", job.label,
                           "adopted" if launched.adopted else "running", launched.pid, launched.started_line,
@@ -330,14 +342,20 @@ def launch(job: ShardJob, inventory: Inventory, deadlines: Deadlines) -> Launche
 
 @task(name="supervise", cache_policy=NO_CACHE, task_run_name="supervise-shard-{job.shard}")
 def supervise(job: ShardJob, launched: Launched, inventory: Inventory, deadlines: Deadlines, on_probe=None,
-              cancel: threading.Event | None = None) -> dict:
-    """Task: `supervise_shard` over a connection of its own; returns the shard's summary. A shard stopped on
-    purpose ends the task run Cancelled, its message `<kind>: <why>` (the caller gets `CancelledRun`)."""
+              cancel: threading.Event | None = None, pool: HostPool | None = None) -> dict:
+    """Task: `supervise_shard` on the readings of the pool's monitor of the host (else on probes of its own over
+    a connection of its own); returns the shard's summary. A shard stopped on purpose ends the task run
+    Cancelled, its message `<kind>: <why>` (the caller gets `CancelledRun`)."""
     from prefect.states import Cancelled
 
     try:
-        with connect(inventory.host(job.host), inventory) as host:
-            summary = supervise_shard(host, job, launched, deadlines, get_run_logger(), on_probe, cancel)
+        with host_of(job, inventory, pool) as host:
+            watch = pool.watch(job) if pool is not None else None
+            try:
+                summary = supervise_shard(host, job, launched, deadlines, get_run_logger(), on_probe, cancel, watch)
+            finally:
+                if watch is not None:
+                    watch.close()
     except ShardStopped as stopped:
         return Cancelled(message=str(stopped))
     get_run_logger().info("%s: done: %s", job.label, json.dumps(summary))

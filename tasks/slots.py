@@ -21,12 +21,13 @@ from prefect.states import State
 from .board import Board
 from .cancel import Cancel, signal_name
 from .failures import NOT_LAUNCHED, Failure, one_line
+from .monitor import HostPool
 from .plan import Plan
 from .shards import ShardFailed, ShardJob, ShardStopped, launch, remove_credentials_file, supervise
 
 
 def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[str, Failure] | None = None,
-               cancel: Cancel | None = None) -> tuple[dict[int, str], dict[str, Failure]]:
+               cancel: Cancel | None = None, pool: HostPool | None = None) -> tuple[dict[int, str], dict[str, Failure]]:
     """Launch then supervise every shard of `plan.todo` on the slots of the `healthy` hosts (`host_failures`:
     why the others are not). Returns ({shard: "done" | "cancelled" | "stopped"}, {"shard N": its Failure}).
 
@@ -45,7 +46,7 @@ def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[
             board.set_state(shard, "failed", why, retryable=retryable)
         return {}, {f"shard {shard}": Failure("", one_line(why), retryable=retryable, shard=shard,
                                               num_shards=plan.num_shards) for shard in todo}
-    driver = Driver(plan, board, first_wave=min(len(todo), len(free)), cancel=cancel)
+    driver = Driver(plan, board, first_wave=min(len(todo), len(free)), cancel=cancel, pool=pool)
     outcomes, failures = {}, {}
     active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
     with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as pool:
@@ -93,8 +94,9 @@ def take_slot(free: deque, avoid: str) -> tuple[str, int]:
 class Driver:
     """Takes one shard through launch and supervise, telling the board every change of its state."""
 
-    def __init__(self, plan: Plan, board: Board, first_wave: int, cancel: Cancel | None = None):
-        self.plan, self.board, self.first_wave, self.cancel = plan, board, first_wave, cancel
+    def __init__(self, plan: Plan, board: Board, first_wave: int, cancel: Cancel | None = None,
+                 pool: HostPool | None = None):
+        self.plan, self.board, self.first_wave, self.cancel, self.pool = plan, board, first_wave, cancel, pool
         self.started = time.monotonic()
         self.proved = 0
         self.lock = threading.Lock()
@@ -114,14 +116,14 @@ class Driver:
             if self.cancelled:
                 raise ShardStopped("cancelled", "the flow run is being cancelled: not launched")
             board.set_state(job.shard, "launching", host=job.host, gpu=job.gpu)
-            launched = launch(job, inventory, deadlines)
+            launched = launch(job, inventory, deadlines, self.pool)
             board.set_state(job.shard, "running", "adopted" if launched.adopted else "launched", pid=launched.pid,
                             adopted=launched.adopted, seconds_to_proof=launched.seconds)
             self._proved()
             phase = "running"
             summary = supervise(job, launched, inventory, deadlines,
                                 on_probe=lambda beat, age: board.beat(job.shard, beat, age),
-                                cancel=self.cancel.event if self.cancel is not None else None)
+                                cancel=self.cancel.event if self.cancel is not None else None, pool=self.pool)
             if isinstance(summary, State):  # the task run ended Cancelled: the shard was stopped on purpose
                 raise ShardStopped.parse(summary.message or "")
             board.set_state(job.shard, "done", "complete", samples_done=summary.get("samples_done"))
@@ -143,7 +145,7 @@ class Driver:
             raise
         finally:
             try:
-                remove_credentials_file(job, inventory)
+                remove_credentials_file(job, inventory, pool=self.pool)
             except Exception as exc:  # the verdict stands; say the file may still be there
                 self.log.warning("%s: credentials file %s may remain on the host: %s", job.label,
                                  job.options.aws_credentials_file, exc)

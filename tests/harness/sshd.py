@@ -322,12 +322,14 @@ class SshdFarm:
     """
 
     def __init__(self, base_dir: Path | str | None = None, *, ready_timeout: float = _READY_TIMEOUT,
-                 skip_shell_rc: bool = True) -> None:
+                 skip_shell_rc: bool = True, log_level: str = "ERROR") -> None:
         """Create the temp dir and the shared user key; clean stale namespaces of dead processes.
 
         ``skip_shell_rc``: remote commands do not source the user's ~/.bashrc (sshd sets SHLVL=1), so the remote
         environment is sshd's plain default (PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin).
+        ``log_level``: sshd's LogLevel (INFO logs each accepted connection: `connections()` counts them).
         """
+        self.log_level = log_level
         self.ready_timeout = ready_timeout
         self.skip_shell_rc = skip_shell_rc
         self.user = getpass.getuser()
@@ -393,6 +395,10 @@ class SshdFarm:
         with contextlib.suppress(OSError):
             return self._state(name).log.read_text(errors="replace")
         return ""
+
+    def connections(self, name: str) -> int:
+        """SSH connections that host's sshd accepted so far (needs ``log_level="INFO"``)."""
+        return self.sshd_log(name).count("Accepted publickey")
 
     def _state(self, name: str) -> _HostState:
         try:
@@ -496,7 +502,7 @@ class SshdFarm:
             "Subsystem sftp internal-sftp",
             "MaxStartups 200:30:300",
             "MaxSessions 100",
-            "LogLevel ERROR",
+            f"LogLevel {self.log_level}",
             "UseDNS no",
             "KexAlgorithms -sntrup761x25519-sha512*",  # post-quantum kex costs ~0.13 s of CPU per connection here
             "PrintMotd no",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -107,3 +108,40 @@ def test_every_host_command_runs_under_umask_027_and_the_bundle_unpacks_with_it(
     assert out.returncode == 0
     assert [oct((tmp_path / p).stat().st_mode & 0o777) for p in ("a", "a/b", "a/b/f")] == ["0o750", "0o750", "0o640"]
     assert "--no-same-permissions" in unpack_bundle_cmd("/w", "0" * 64, "n1"), "root's tar would keep the archive's 0644"
+
+
+def test_one_round_trip_reads_every_shard_of_a_host(tmp_path):
+    """supervision at fleet scale: one command per host and interval, each shard's probe the same as its own."""
+    from tasks.commands import parse_probe_many, probe_many_cmd
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        start = open(f"/proc/{proc.pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        shards = []
+        for n in range(3):
+            control = tmp_path / f"shard {n}"
+            control.mkdir()
+            (control / "pid").write_text(f"{proc.pid}\n")
+            (control / "pid.start").write_text(start if n != 1 else "1")  # shard 1: a reused pid
+            # what a worker writes cannot pass for a delimiter: the nonce is fresh per call
+            (control / "heartbeat.json").write_text(json.dumps({"time": 2.0, "phase": f"p{n}",
+                                                                "last_batch": "===abc 9"}))
+            (tmp_path / f"j{n}").write_text('{"kind": "done", "summary": {}}\n' if n == 2 else "")
+            shards.append((str(n), str(control), str(tmp_path / f"j{n}")))
+        shards.append(("7", str(tmp_path / "missing"), "/nope"))
+        cmd = probe_many_cmd(shards, "abc")
+        out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True).stdout
+        probes = parse_probe_many(out, "abc")
+        assert sorted(probes) == ["0", "1", "2", "7"]
+        assert probes["0"].alive and not probes["1"].alive and probes["2"].alive
+        assert [probes[k].heartbeat["phase"] for k in "012"] == ["p0", "p1", "p2"]
+        assert probes["2"].journal_last["kind"] == "done" and probes["0"].journal_last is None
+        assert not probes["7"].has_control_dir
+        single = parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(shards[0][1], shards[0][2])],
+                                            capture_output=True, text=True).stdout)
+        assert (single.pid, single.state, single.heartbeat) == (probes["0"].pid, probes["0"].state,
+                                                                 probes["0"].heartbeat)
+        assert probes["0"].log == "" and single.log == ""  # no log tails in the host's round trip
+        assert parse_probe_many(out.rsplit("===abc END", 1)[0], "abc") == {}  # cut off: nothing
+    finally:
+        proc.kill()
