@@ -73,7 +73,11 @@ class ShardRun(Shard):
               + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
         if prewarm:
             self.prewarm = prewarm
-            prewarm.wait(PREWARM_TIMEOUT_S)
+            try:
+                prewarm.wait(PREWARM_TIMEOUT_S)
+            except BaseException:  # a stop while waiting: the children go with this worker
+                prewarm.kill()
+                raise
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: {len(prewarm.procs)} tuning process(es) done "
                   f"{prewarm.seconds:.1f}s after their start, {self.load_s:.1f}s of it loading the model"
                   + "".join(f"; failed: {f}" for f in prewarm.failures), file=sys.stderr, flush=True)
