@@ -108,8 +108,9 @@ def launch_cmd(control: str, bundle: str, gpu: int, argv: list[str], journal: st
     return f"sh {' '.join(quote(w) for w in words)} && {{ {probe_cmd(control, journal)}; }}"
 
 
-def probe_cmd(control: str, journal: str) -> str:
-    """Everything supervise needs in one round trip, in sections (parsed by `parse_probe`)."""
+def probe_cmd(control: str, journal: str, log: bool = True) -> str:
+    """Everything supervise needs in one round trip, in sections (parsed by `parse_probe`); `log`: with the
+    worker log's tail."""
     return (
         f"cd {quote(control)} 2>/dev/null || {{ echo 'NO CONTROL DIR'; exit 0; }}; "
         f"echo \"NOW $(date +%s.%N)\"; pid=$(cat pid 2>/dev/null); echo \"PID $pid\"; "
@@ -119,8 +120,8 @@ def probe_cmd(control: str, journal: str) -> str:
         f"echo '---STARTED'; grep -m1 '^STARTED' worker.log 2>/dev/null; "
         f"echo '---HEARTBEAT'; cat heartbeat.json 2>/dev/null; echo; "
         f"echo '---EXIT'; cat exit.json 2>/dev/null; echo; "
-        f"echo '---JOURNAL'; tail -n 1 {quote(journal)} 2>/dev/null; echo; "
-        f"echo '---LOG'; tail -c 3000 worker.log 2>/dev/null"
+        f"echo '---JOURNAL'; tail -n 1 {quote(journal)} 2>/dev/null; echo"
+        + ("; echo '---LOG'; tail -c 3000 worker.log 2>/dev/null" if log else "")
     )
 
 
@@ -131,7 +132,7 @@ def probe_many_cmd(shards: list[tuple[str, str, str]], nonce: str) -> str:
     `parse_probe_many`)."""
     parts = []
     for key, control, journal in shards:
-        body = probe_cmd(control, journal).rsplit("; echo '---LOG'", 1)[0]
+        body = probe_cmd(control, journal, log=False)
         parts.append(f"echo {quote(f'==={nonce} {key}')}; ( {body} )")
     return "; ".join(parts) + f"; echo {quote(f'==={nonce} END')}"
 

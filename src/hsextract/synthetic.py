@@ -28,7 +28,7 @@ from .liveness import Heartbeat
 from .options import WorkerOptions
 from .payload import Entry, Prepared, layout
 from .preflight import read_model_info
-from .quant import FP8_ENCODING, SCALE_KEY
+from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token
 from .records import Bad, Record
 from .shard import Shard, drive
 
@@ -149,7 +149,7 @@ class StatePool:
 
     def __init__(self, width: int, layers: int, fp8: bool, vocab_size: int):
         self.width, self.layers, self.fp8, self.vocab_size = width, layers, fp8, vocab_size
-        self.bytes_per_token = width * (1 if fp8 else 2) + (4 * layers if fp8 else 0)
+        self.bytes_per_token = fp8_bytes_per_token(width, layers) if fp8 else 2 * width
         self.pool = os.urandom(POOL_BYTES)
         self.buffer = bytearray()
         self.scales = bytearray()
