@@ -209,7 +209,20 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         capture.backbone.layers[i]._forward_hooks.clear()
     run_bare()
     with phase("bare forward" + (f" over {len(bare_inputs)} batches" if sustained else "")):
-        out["bare"] = bare_tokens / timed(lambda: run_bare(bare_inputs))
+        if sustained:  # each batch's device time too (events on the stream: nothing waits), for any stretch's rate
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(bare_inputs) + 1)]
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                marks[0].record()
+                for ids, mark in zip(bare_inputs, marks[1:]):
+                    capture.backbone(input_ids=ids, use_cache=False)
+                    mark.record()
+            torch.cuda.synchronize()
+            out["bare"] = bare_tokens / (time.perf_counter() - started)
+            out["batch_s"] = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        else:
+            out["bare"] = bare_tokens / timed(lambda: run_bare(bare_inputs))
     bare_inputs = None  # noqa: F841 - freed before the variants
     want = first_state()
     variants = {}
@@ -359,20 +372,34 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *ex
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     summary = json.loads(lines[-1].removeprefix("SUMMARY "))
-    summary["steady"] = steady_state(out)
+    summary["steady"], summary["first_file_tokens"] = steady_state(out)
     journaled = sorted(e["time"] for e in files)
     summary["first_file_s"] = round(journaled[0] - began, 1) if journaled else None
     return summary
 
 
-def steady_state(out: Path) -> float:
+def steady_state(out: Path) -> tuple[float, int]:
     """tok/s between the first and the last file landing (the journal's times): start-up and the first
-    batch's kernel compilation excluded, as they are from the ceilings."""
+    batch's kernel compilation excluded, as they are from the ceilings; and the first file's tokens."""
     entries = [json.loads(line) for path in out.glob("shard-*/journal.jsonl") for line in path.open()]
     files = sorted((e for e in entries if e.get("kind") == "file"), key=lambda e: e["time"])
     if len(files) < 3:
-        return 0.0
-    return sum(e["tokens"] for e in files[1:]) / (files[-1]["time"] - files[0]["time"])
+        return 0.0, 0
+    return sum(e["tokens"] for e in files[1:]) / (files[-1]["time"] - files[0]["time"]), files[0]["tokens"]
+
+
+def same_batches(every: list, batch_s: list[float], skip_tokens: int) -> float:
+    """The bare forward's rate over the batches after the first `skip_tokens` tokens (the worker's first file:
+    its batches, in the worker's order), from each batch's device time: the ceiling for exactly the work the
+    worker's steady state counts. A batch's cost per token depends on its lengths."""
+    seen, first = 0, len(every)
+    for i, batch in enumerate(every):
+        if seen >= skip_tokens:
+            first = i
+            break
+        seen += sum(len(s) for s in batch)
+    rest = every[first:]
+    return sum(len(s) for b in rest for s in b) / sum(batch_s[first:]) if rest else 0.0
 
 
 def naive(model_dir: Path, data: Path, out: Path, layer_ids: list[int], n: int) -> float:
@@ -491,6 +518,9 @@ def main() -> int:
         summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget)
     worker_tps = summary["tokens_per_s"]
     steady_tps = summary["steady"]
+    # the steady state's own ceiling: the bare forward over the same batches (those after the worker's first file)
+    steady_ceiling = (same_batches(every, ceilings["batch_s"], summary["first_file_tokens"])
+                      if "batch_s" in ceilings else 0.0)
     shutil.rmtree(out, ignore_errors=True)
     print(f"worker {worker_tps:,.0f} tok/s over {summary['extract_s']} s (steady {steady_tps:,.0f}; first file "
           f"{summary['first_file_s']} s after its start; load {summary.get('load_s')} s, warm-up "
@@ -503,6 +533,8 @@ def main() -> int:
         with phase("worker fp8"):
             fp8 = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--out-dtype", "fp8_e4m3")
         fp8["ceiling"] = min(bare_tps, raw8_tps)
+        fp8["steady_ceiling"] = min(same_batches(every, ceilings["batch_s"], fp8["first_file_tokens"]),
+                                    raw8_tps) if "batch_s" in ceilings else 0.0
         shutil.rmtree(out, ignore_errors=True)
         print(f"fp8: sink {', '.join(f'{k} {v / 2**30:.3f} GiB/s' for k, v in disk8.items())}; worker "
               f"{fp8['tokens_per_s']:,.0f} tok/s (steady {fp8['steady']:,.0f}; first file {fp8['first_file_s']} s "
@@ -539,6 +571,14 @@ def main() -> int:
         print(f"fp8_e4m3: worker / min(GPU ceiling, fp8 sink ceiling) = {fp8['tokens_per_s'] / fp8['ceiling']:.3f} "
               f"whole loop, {fp8['steady'] / fp8['ceiling']:.3f} steady; {fp8['tokens_per_s'] / worker_tps:.2f}x the bf16 "
               f"worker ({fp8_bytes / bf16_bytes:.3f} of its bytes)")
+    if steady_ceiling:
+        print(f"steady state against the bare forward over the same batches (after the worker's first file, "
+              f"{steady_ceiling:,.0f} tok/s from each batch's device time): bf16 "
+              f"{steady_tps / min(steady_ceiling, raw_tps):.3f}"
+              + (f", fp8_e4m3 {fp8['steady'] / fp8['steady_ceiling']:.3f}" if fp8 and fp8["steady_ceiling"] else ""))
+        slow = sorted(ceilings["batch_s"])
+        print(f"bare forward per batch: median {slow[len(slow) // 2] * 1e3:.0f} ms, slowest {slow[-1] * 1e3:.0f} ms, "
+              f"sum {sum(slow):.1f} s of device time")
     print(f"worker / naive = {worker_tps / naive_tps:.1f}x")
     print(f"padding waste: this data {padded / real - 1:.4f} (planner), {summary.get('padding_waste')} (worker); "
           f"the planner on {PLANNER_SAMPLES:,} samples of the same distribution: {planner_waste(args.token_budget):.4f} "
@@ -549,6 +589,7 @@ def main() -> int:
         args.json.write_text(json.dumps({"bare": bare_tps, "mfu": mfu, "params": params, "made_s": made_s,
                                          "capture": capture_tps, "sink": disk, "worker": worker_tps,
                                          "naive": naive_tps, "ratio": worker_tps / ceiling, "steady": steady_tps,
+                                         "steady_ceiling": steady_ceiling, "batch_s": ceilings.get("batch_s"),
                                          "variants": ceilings["variants"], "kernels": ceilings["kernels"],
                                          "summary": summary, "fp8": fp8, "oom": oom, "phases": PHASES,
                                          "warm_s": ceilings.get("warm_s")}, indent=1))
