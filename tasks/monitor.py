@@ -10,7 +10,9 @@ A shard's supervise task judges the same evidence as before, from `ShardWatch.ne
 than the last one it judged. It opens no connection and runs no probe of its own. Only a verdict that needs
 more costs a command: the kill of a stalled worker, and the worker log's tail for a failure's evidence.
 
-`DirectWatch` is the same interface over a shard's own probes (a host used outside a pool).
+A launch waits for its worker's proof of life on the same readings: while one waits, the host's round trips come
+every `LAUNCH_POLL_S` instead. `DirectWatch` is the same interface over a shard's own probes (a host used outside
+a pool).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from .inventory import Inventory
 
 #: the longest wait between round trips to a host whose last ones failed (it backs off up to this)
 MAX_BACKOFF_S = 10.0
+#: the wait between readings while a launch waits for its worker's proof of life (one round trip for the host)
+LAUNCH_POLL_S = 0.5
 
 
 class HostMonitor:
@@ -34,6 +38,7 @@ class HostMonitor:
         self.host, self.interval_s, self.timeout_s = host, interval_s, timeout_s
         self.cond = threading.Condition()
         self.shards: dict[str, tuple[str, str]] = {}  # key -> (control dir, journal)
+        self.launching: set[str] = set()  # keys whose launch waits for a proof: readings every LAUNCH_POLL_S
         self.seq = 0  # readings so far
         self.probes: dict[str, Probe] = {}
         self.error: HostError | None = None
@@ -41,9 +46,11 @@ class HostMonitor:
         self.stopped = False
         self.thread: threading.Thread | None = None
 
-    def watch(self, key: str, control: str, journal: str) -> None:
+    def watch(self, key: str, control: str, journal: str, launching: bool = False) -> None:
         with self.cond:
             self.shards[key] = (control, journal)
+            if launching:
+                self.launching.add(key)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name=f"monitor-{self.host.name}", daemon=True)
                 self.thread.start()
@@ -52,6 +59,7 @@ class HostMonitor:
     def unwatch(self, key: str) -> None:
         with self.cond:
             self.shards.pop(key, None)
+            self.launching.discard(key)
 
     def next(self, key: str, after: int, cancel: threading.Event) -> tuple[int, Probe | HostError] | None:
         """The first reading after reading `after` that covers `key` (its probe, or the round trip's error);
@@ -92,8 +100,12 @@ class HostMonitor:
             # after a failure, try again soon, then back off (the link may be down for a while)
             pause = (self.interval_s if not failures else
                      min(MAX_BACKOFF_S, min(self.interval_s, 1.0) * 2 ** (failures - 1)))
-            with self.cond:
-                self.cond.wait_for(lambda: self.stopped, max(0.0, began + pause - time.monotonic()))
+            with self.cond:  # sooner while a launch waits (one that starts meanwhile shortens the wait)
+                while not self.stopped:
+                    left = began + (min(pause, LAUNCH_POLL_S) if self.launching else pause) - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
 
     def _round_trip(self, shards: dict[str, tuple[str, str]]) -> tuple[dict[str, Probe], HostError | None]:
         nonce = uuid.uuid4().hex[:16]
@@ -114,16 +126,24 @@ class HostMonitor:
 class ShardWatch:
     """One shard's readings from its host's monitor (what supervise judges)."""
 
-    def __init__(self, pool: "HostPool", job):
+    def __init__(self, pool: "HostPool", job, launching: bool = False):
         self.job, self.host = job, pool.host(job.host)
         self.monitor = pool.monitor(job.host)
         self.timeout_s = pool.timeout_s
-        self.key = str(job.shard)
+        self.key, self.launching = str(job.shard), launching
+        self.seen: int | None = None
+        if not launching:  # a launch's is watched from its first reading on: after the launch command's own
+            self._start()
+
+    def _start(self) -> None:
         self.seen = self.monitor.seq
-        self.monitor.watch(self.key, job.control_dir, job.journal)
+        self.monitor.watch(self.key, self.job.control_dir, self.job.journal, self.launching)
 
     def next(self, cancel: threading.Event) -> Probe | None:
-        """The next reading of this shard (HostError when the host's round trip failed); None on cancel."""
+        """The next reading of this shard (HostError when the host's round trip failed); None on cancel. The
+        host's round trips include this shard from the first call on."""
+        if self.seen is None:
+            self._start()
         got = self.monitor.next(self.key, self.seen, cancel)
         if got is None:
             return None
@@ -146,9 +166,9 @@ class ShardWatch:
 class DirectWatch:
     """One shard's own probes over `host`, every `interval_s` (sooner after a failed one)."""
 
-    def __init__(self, host: Host, job, interval_s: float, timeout_s: float):
+    def __init__(self, host: Host, job, interval_s: float, timeout_s: float, at_once: bool = True):
         self.host, self.job, self.interval_s, self.timeout_s = host, job, interval_s, timeout_s
-        self.pause: float | None = None  # none before the first probe
+        self.pause: float | None = None if at_once else interval_s  # at_once: no wait before the first probe
 
     def next(self, cancel: threading.Event) -> Probe | None:
         if self.pause is not None and cancel.wait(self.pause):
@@ -197,8 +217,8 @@ class HostPool:
                 self._monitors[name] = HostMonitor(host, self.interval_s, self.timeout_s)
             return self._monitors[name]
 
-    def watch(self, job) -> ShardWatch:
-        return ShardWatch(self, job)
+    def watch(self, job, launching: bool = False) -> ShardWatch:
+        return ShardWatch(self, job, launching)
 
     def stats(self) -> dict:
         """Hosts watched, probe round trips made (all monitors) and SSH connections made (all hosts)."""

@@ -27,7 +27,7 @@ from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, pars
 from .credentials import CREDENTIALS_FILE, load_access
 from .failures import Failure, last_line, one_line
 from .hosts import Host, HostError, Result, connect, tail
-from .monitor import DirectWatch, HostPool, probe
+from .monitor import LAUNCH_POLL_S, DirectWatch, HostPool, probe
 from .inventory import HostSpec, Inventory
 
 
@@ -175,9 +175,12 @@ def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Resul
     return ShardFailed("\n".join(parts), failure)
 
 
-def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
+def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines, watch=None,
+                 cancel: threading.Event | None = None) -> Launched:
     """Start (or adopt) the shard's worker and wait for its proof of life; ShardFailed with the reason and
-    the worker log's tail otherwise."""
+    the worker log's tail otherwise (ShardStopped when `cancel` is set meanwhile). The launch command's own
+    probe is the first reading; later ones come from `watch` (`monitor.ShardWatch`: the host's shared round
+    trips, which come faster while a launch waits), else from probes of its own every half second."""
     started = time.monotonic()
     config = json.dumps({**asdict(job), "argv": job.argv()}, indent=1, default=str).encode()
     host.put(config, f"{job.control_dir}/launch.json", deadlines.command_timeout_s)
@@ -210,11 +213,15 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
         raise _failure(job, what, result=result)
     # no start time: the process was gone before the launcher could read /proc; the probe says why
     pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"
+    cancel = cancel or threading.Event()
+    watch = watch or DirectWatch(host, job, LAUNCH_POLL_S, deadlines.command_timeout_s, at_once=False)
     state = parse_probe(rest) if rest.strip() else probe(host, job, deadlines.command_timeout_s)
     while True:
+        if state is None:
+            raise ShardStopped("cancelled", f"the flow run is being cancelled: worker pid {pid} not verified yet")
         elapsed = time.monotonic() - started
         if state.pid != pid or state.recorded_start != start:
-            raise _failure(job, f"another launch replaced pid {pid} (now {state.pid})", state)
+            raise _failure(job, f"another launch replaced pid {pid} (now {state.pid})", watch.detail(state))
         if state.started_line and state.heartbeat and (state.alive or _exit_code(state) == 0):
             return Launched(pid, start, adopted, state.started_line, state.heartbeat, round(elapsed, 3))
         if not state.alive:
@@ -224,13 +231,13 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines) -> Launched:
                         if not state.started_line else f"worker pid {pid} died without an exit status")
             else:
                 what = f"worker pid {pid} exited with code {code}: {state.exit.get('reason')}"
-            raise _failure(job, what + f" (after {elapsed:.1f}s)", state, code=code)
+            raise _failure(job, what + f" (after {elapsed:.1f}s)", watch.detail(state), code=code)
         if elapsed > deadlines.launch_timeout_s:
             host.run(kill_cmd(job.control_dir), deadlines.command_timeout_s)
             missing = "STARTED line" if not state.started_line else "heartbeat"
-            raise _failure(job, f"no {missing} within {deadlines.launch_timeout_s:.0f}s; killed pid {pid}", state)
-        time.sleep(0.5)
-        state = probe(host, job, deadlines.command_timeout_s)
+            raise _failure(job, f"no {missing} within {deadlines.launch_timeout_s:.0f}s; killed pid {pid}",
+                           watch.detail(state))
+        state = watch.next(cancel)
 
 
 def _exit_code(state: Probe) -> int | None:
@@ -331,9 +338,15 @@ def remove_credentials_file(job: ShardJob, inventory: Inventory, timeout: float 
 
 @task(name="launch", cache_policy=NO_CACHE, task_run_name="launch-shard-{job.shard}")
 def launch(job: ShardJob, inventory: Inventory, deadlines: Deadlines, pool: HostPool | None = None) -> Launched:
-    """Task: `launch_shard` over the pool's connection to the host (else one of its own)."""
+    """Task: `launch_shard` over the pool's connection to the host, its proof read by the pool's monitor of the
+    host (else a connection and probes of its own)."""
     with host_of(job, inventory, pool) as host:
-        launched = launch_shard(host, job, deadlines)
+        watch = pool.watch(job, launching=True) if pool is not None else None
+        try:
+            launched = launch_shard(host, job, deadlines, watch, pool.cancel if pool is not None else None)
+        finally:
+            if watch is not None:
+                watch.close()
     get_run_logger().info("%s: %s pid %d, %s, first heartbeat after %.1fs", job.label,
                           "adopted" if launched.adopted else "running", launched.pid, launched.started_line,
                           launched.seconds)

@@ -23,9 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     WorkerOptions.add_arguments(sub.add_parser("extract", help="run one shard of an extraction"))
-    WorkerOptions.add_arguments(sub.add_parser(
-        "check", help="check what a shard of these options needs (model config, layers, dataset, output) "
-                      "without loading the model; exit 2 naming the problem"))
+    check = sub.add_parser("check", help="check what a shard of these options needs (model config, layers, "
+                                         "dataset, output) without loading the model; exit 2 naming the problem")
+    WorkerOptions.add_arguments(check)
+    check.add_argument("--probe-output", action="store_true",
+                       help="also write, read back and delete a small object under --out (its credentials)")
+    check.add_argument("--sample-tokens", type=int, default=0, metavar="N",
+                       help="also count the dataset's samples, and its tokens on N records spread over it")
+    check.add_argument("--report", action="store_true",
+                       help="run every check (model, dataset, output) on its own and print each verdict; exit 0")
 
     inspect = sub.add_parser("inspect", help="count and verify what an output (directory or s3://) holds")
     inspect.add_argument("out", help="output directory, file:// or s3:// URI")
@@ -141,11 +147,20 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
     if args.command == "check":
         from .preflight import preflight
 
+        opts = WorkerOptions.from_args(args)
+        use_credentials_file(opts)
         try:
-            print("CHECK " + json.dumps(preflight(WorkerOptions.from_args(args))), flush=True)
+            if args.report:
+                from .preflight import report
+
+                print("CHECK " + json.dumps(report(opts, args.probe_output, args.sample_tokens)), flush=True)
+            else:
+                print("CHECK " + json.dumps(preflight(opts, args.probe_output, args.sample_tokens)), flush=True)
         except ValueError as exc:
             print(f"hsextract: {exc}", file=sys.stderr)
             return USAGE_EXIT
+        finally:
+            remove_credentials_file(opts)
         return 0
     if args.command == "export":
         return export_command(args)

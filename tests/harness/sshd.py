@@ -26,13 +26,14 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -310,6 +311,8 @@ class _HostState:
     link: str | None = None  # root-side veth end
     subnet: int | None = None
     is_cut: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # set in every session sshd starts (SetEnv)
+    mounts: dict[str, int] = field(default_factory=dict)  # path -> tmpfs size in bytes, seen by this host alone
 
 
 class SshdFarm:
@@ -408,11 +411,15 @@ class SshdFarm:
 
     # ---- hosts ----------------------------------------------------------------------------------------------------
 
-    def add_host(self, name: str, netns: bool = False) -> FarmHost:
+    def add_host(self, name: str, netns: bool = False, env: dict[str, str] | None = None,
+                 mounts: dict[str, int] | None = None) -> FarmHost:
         """Start an sshd for a new host and wait until ``ssh host true`` works.
 
         ``netns=False``: 127.0.0.1 on a free port. ``netns=True``: its own network namespace joined to ours by a veth
         pair, listening on 10.251.X.2:22 (falls back to loopback with ``host.netns is None`` when unavailable).
+        ``env``: variables sshd sets in every session (e.g. libfaketime's, for a host whose clock is off).
+        ``mounts``: {path: bytes}: an empty tmpfs of that size over each path, in a mount namespace of this host's
+        own (needs root): what differs between separate machines (a directory missing there, a full disk).
         """
         if self._closed:
             raise SshdError("farm is closed")
@@ -424,7 +431,8 @@ class SshdFarm:
         pub = _keygen(host_key, f"hsx-host-{name}")
         host = FarmHost(name=name, hostname="127.0.0.1", port=0, user=self.user, key_filename=self.user_key,
                        known_hosts=self.known_hosts, netns=None, sshd_pid=0, host_public_key=pub)
-        st = _HostState(host=host, dir=hdir, config=hdir / "sshd_config", log=hdir / "sshd.log")
+        st = _HostState(host=host, dir=hdir, config=hdir / "sshd_config", log=hdir / "sshd.log", env=dict(env or {}),
+                        mounts=dict(mounts or {}))
         self._hosts[name] = st
         try:
             if netns and self.netns_available:
@@ -511,7 +519,9 @@ class SshdFarm:
             # bash sources ~/.bashrc for non-interactive commands run by sshd unless SHLVL says it is nested. On
             # this kind of machine root's .bashrc runs `pyenv init` (a locked `pyenv rehash`); concurrent or killed
             # sessions then stall for up to 60 s on a stale lock and rewrite the shared shims under everyone.
-            *(["SetEnv SHLVL=1"] if self.skip_shell_rc else []),
+            *(["SetEnv " + " ".join([*(["SHLVL=1"] if self.skip_shell_rc else []),
+                                     *(f"{k}={v}" for k, v in st.env.items())])]
+              if self.skip_shell_rc or st.env else []),
             "",
         ]))
 
@@ -520,6 +530,11 @@ class SshdFarm:
         h = st.host
         self._write_config(st)
         argv = [SSHD, "-D", "-e", "-f", str(st.config)]
+        if st.mounts:  # sshd (and so every session) in a mount namespace of its own, with the tmpfs mounts
+            mount = "; ".join(f"mkdir -p {shlex.quote(p)} && mount -t tmpfs -o size={size} hsx-{st.host.name} "
+                              f"{shlex.quote(p)}" for p, size in st.mounts.items())
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    f"set -e; {mount}; exec {shlex.join(argv)}"]
         if self._setpriv:
             argv = [self._setpriv, "--pdeathsig", "KILL", *argv]
         if h.netns:

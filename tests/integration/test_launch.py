@@ -137,6 +137,40 @@ def test_host_cut_off_mid_run_fails_within_deadline(env, farm):
         host.run(f"kill -9 {launched.pid}", 5)
 
 
+def test_a_launch_in_a_pool_is_proven_by_its_hosts_shared_round_trips(env, tmp_path):
+    """A worker slower to prove itself than the launch command waits: the proof comes from the host monitor's
+    round trips (every LAUNCH_POLL_S while a launch waits, whatever the poll interval), not probes of its own;
+    a worker that dies meanwhile still fails with its log's tail (fetched for that shard alone)."""
+    from tasks.monitor import LAUNCH_POLL_S, HostPool
+
+    slow = script(tmp_path / "slow", f"sleep 6; exec {sys.executable} \"$@\"")
+    dies = script(tmp_path / "dies", "sleep 6; echo 'CUDA error: no device on purpose' >&2; exit 3")
+    with HostPool(env["inventory"], 30.0, 5) as pool:
+        job = job_for(env, "h1", python=slow, run="pooled", budget=4096)
+        watch = pool.watch(job, launching=True)
+        try:
+            launched = launch_shard(pool.host("h1"), job, FAST, watch)
+        finally:
+            watch.close()
+        assert launched.started_line.startswith("STARTED shard=0/1") and launched.seconds > 5
+        trips = pool.stats()["round_trips"]
+        assert 1 <= trips <= (launched.seconds - 5) / LAUNCH_POLL_S + 3, trips  # paced for the launch, not 30 s
+        assert pool.stats()["connections"] == 1
+        summary = supervise_shard(pool.host("h1"), job, launched, FAST)
+        assert summary["samples_done"] == 1500
+
+        job = job_for(env, "h1", python=dies, run="pooled-dies")
+        watch = pool.watch(job, launching=True)
+        try:
+            with pytest.raises(ShardFailed) as failed:
+                launch_shard(pool.host("h1"), job, FAST, watch)
+        finally:
+            watch.close()
+    message = str(failed.value.evidence)
+    assert "exited at once, printing no STARTED line" in message or "exited with code 3" in message, message
+    assert "no device on purpose" in message, message
+
+
 def test_two_launches_of_one_shard_adopt(env):
     job = job_for(env, "h2", run="twice")
     results, errors = [], []

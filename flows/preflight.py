@@ -1,0 +1,194 @@
+"""The `preflight` flow: every host of an inventory checked, in parallel, for what would make an `extract` run
+with the same parameters fail, before it takes a GPU; then the run's plan in numbers.
+
+One table artifact (`preflight-<run>`): a row per host, a column per check (tasks/preflight.py: SSH login and
+host key, clock, bundle and imports, GPUs and their free memory, model, dataset, output probe object with the
+run's credentials, disk, and with `benchmark=true` the real worker's tokens/s on random weights). One plan
+artifact (`plan-<run>`): samples and tokens (counted on `sample_tokens` records spread over the dataset),
+output bytes, and at the measured rate GPU-hours, wall time and the S3 request rate. The run ends Failed,
+naming each host and reason, when any check failed; warnings do not fail it.
+
+`extract(preflight="only")` (the deployment `extract/qwen-preflight`) runs this flow with the run's own
+parameters; `preflight="first"` runs it before the extraction and stops there if it fails.
+
+(No `from __future__ import annotations`: Prefect builds its parameter model from this signature.)
+"""
+
+import time
+from typing import Annotated, Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, Failed
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
+
+from flows.extract import LayerSpec, OutputUri, Positive
+from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
+from tasks.board import run_key
+from tasks.bundle import build_bundle
+from tasks.credentials import load_access
+from tasks.plan import ROOT, resolve_inventory, run_name_of, worker_options, worker_version
+from tasks.preflight import (CHECKS, HostReport, bytes_per_token, check_host, gib, judge_disk, plan_figures)
+
+__all__ = ["PREFLIGHT_PARAMETERS", "preflight"]
+
+#: the parameters `preflight` shares with `extract` (same names, types and defaults): extract passes these on
+PREFLIGHT_PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num_shards", "run_name",
+                        "aws_credentials", "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb",
+                        "token_budget", "device", "spool_high_gb", "spool_low_gb", "confine",
+                        "synthetic_tokens_per_s")
+MARK = {"ok": "ok", "warn": "warn", "fail": "**FAIL**", "skip": "-"}
+
+
+@task(name="preflight-host", cache_policy=NO_CACHE, task_run_name="preflight-{host_name}")
+def check_one(host_name: str, inventory, bundle, version: str, options, access, sample_tokens: int,
+              benchmark_samples: int) -> HostReport:
+    """Task: every check on one host (tasks/preflight.py `check_host`); its report, never an exception."""
+    report = check_host(inventory.host(host_name), inventory, bundle, version, options, access, sample_tokens,
+                        benchmark_samples)
+    log = get_run_logger()
+    for name, why in report.failures:
+        log.error("host %s: %s: %s", host_name, name, why)
+    return report
+
+
+@flow(name="preflight", task_runner=ThreadPoolTaskRunner(max_workers=64), validate_parameters=True)
+def preflight(
+    model: Annotated[str, Field(min_length=1)],
+    data: Annotated[str, Field(min_length=1)],
+    output: OutputUri,
+    hosts: Annotated[str, Field(min_length=1)],
+    layers: LayerSpec = "dflash:5",
+    include_last: bool = W.include_last,
+    num_shards: Positive | None = None,
+    run_name: str | None = None,
+    aws_credentials: str | None = None,
+    max_length: Positive | None = W.max_length,
+    dtype: Literal[DTYPES] = W.dtype,
+    out_dtype: Literal[OUT_DTYPES] = W.out_dtype,
+    upload_from: Literal[UPLOAD_FROM] = W.upload_from,
+    upload_memory_gb: Annotated[float, Field(gt=0)] = W.upload_memory_gb,
+    token_budget: Positive = W.token_budget,
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = W.device,
+    spool_high_gb: Annotated[float, Field(gt=0)] = W.spool_high_gb,
+    spool_low_gb: Annotated[float, Field(gt=0)] = W.spool_low_gb,
+    confine: Literal[CONFINE_MODES] = W.confine,
+    synthetic_tokens_per_s: Annotated[float, Field(gt=0)] | None = None,
+    benchmark: bool = False,
+    benchmark_samples: Positive = 64,
+    sample_tokens: Positive = 1000,
+):
+    """Check every host of `hosts` for what an `extract` run with these parameters needs, in parallel; write
+    the `preflight-<run>` table and the `plan-<run>` artifact; Failed, naming each host and reason, when a run
+    would fail. `benchmark`: also time the real worker (random weights, ~`benchmark_samples` samples) on each
+    host's first GPU. `sample_tokens`: dataset records tokenized (spread over the file) to estimate its tokens."""
+    log = get_run_logger()
+    params = {name: value for name, value in locals().items() if name in PREFLIGHT_PARAMETERS}
+    began = time.monotonic()
+    run = run_name_of(params)
+    inventory = resolve_inventory(hosts)
+    access = load_access(aws_credentials)
+    options = worker_options({**params, "heartbeat_interval_s": W.heartbeat_interval}, access)
+    bundle, version = build_bundle(ROOT), worker_version()
+    names = [h.name for h in inventory.hosts]
+    futures = {name: check_one.submit(name, inventory, bundle, version, options, access,
+                                      sample_tokens if i == 0 else 0, benchmark_samples if benchmark else 0)
+               for i, name in enumerate(names)}
+    reports = {name: future.result() for name, future in futures.items()}
+    if (first := reports[names[0]]).checks.get("dataset") and "samples" not in first.facts.get("check", {}).get(
+            "dataset", {}):  # the first host could not count: the next one that can
+        for name in names[1:]:
+            if reports[name].checks.get("dataset") and reports[name].checks["dataset"].status == "ok":
+                reports[name] = check_one(name, inventory, bundle, version, options, access, sample_tokens, 0)
+                break
+    plan = make_plan(reports, options, inventory, num_shards, benchmark)
+    elapsed = time.monotonic() - began
+    key = run_key(run)
+    create_markdown_artifact(key=f"preflight-{key}", markdown=table(run, reports, elapsed),
+                             description=f"preflight of run {run}: every host, every check")
+    create_markdown_artifact(key=f"plan-{key}", markdown=plan_markdown(run, plan),
+                             description=f"run {run} in numbers, from the preflight")
+    bad = {name: r.failures for name, r in reports.items() if r.failures}
+    log.info("preflight of run %s: %d host(s) checked in %.1fs, %d with problems", run, len(reports), elapsed, len(bad))
+    result = {"run_name": run, "seconds": round(elapsed, 2), "plan": plan,
+              "hosts": {name: {c: r.checks[c].status for c in CHECKS if c in r.checks} for name, r in reports.items()}}
+    if bad:
+        lines = [f"- host {name}: {check}: {why}" for name, failures in bad.items() for check, why in failures]
+        return Failed(message=f"preflight of run {run}: {len(bad)} of {len(reports)} host(s) would fail the run:\n"
+                              + "\n".join(lines[:20]) + (f"\n... and {len(lines) - 20} more" if len(lines) > 20 else ""),
+                      data=result)
+    return Completed(message=f"preflight of run {run}: {len(reports)} host(s) ready", data=result)
+
+
+def make_plan(reports: dict[str, HostReport], options, inventory, num_shards: int | None, benchmark: bool) -> dict:
+    """The plan's figures from the reports (the dataset's count, the model, the benchmark's rates), and each
+    host's disk verdict against its share of the output."""
+    counted = next((r.facts["check"]["dataset"] for r in reports.values()
+                    if "samples" in r.facts.get("check", {}).get("dataset", {})), None)
+    model = next((r.facts["check"]["model"] for r in reports.values()
+                  if "error" not in r.facts.get("check", {}).get("model", {"error": 1})), None)
+    if counted is None or model is None:
+        return {"error": "no host could read the model's config and count the dataset: no plan"}
+    slots = len(inventory.slots)
+    shards = num_shards or slots
+    on_gpu = options.device != "cpu" and any(r.facts.get("gpus") for r in reports.values())
+    per_token = bytes_per_token(options, model["hidden_size"], len(model["layers"]), on_gpu)
+    rates = sorted(r.facts["benchmark"]["tokens_per_s"] for r in reports.values() if "benchmark" in r.facts)
+    rate = rates[len(rates) // 2] if rates else None
+    plan = plan_figures(counted["tokens"], counted["samples"], per_token, slots, rate, options, shards)
+    plan.update(exact=counted["exact"], counted=counted["counted"], sampled=counted["sampled"],
+                rates={name: r.facts["benchmark"]["tokens_per_s"] for name, r in reports.items()
+                       if "benchmark" in r.facts}, benchmark=benchmark)
+    shard_bytes = plan["output_bytes"] / shards
+    for name, r in reports.items():
+        gpus = len(inventory.host(name).gpus)
+        judge_disk(r, options, shard_bytes, gpus, shards * gpus / slots)
+    return plan
+
+
+def table(run: str, reports: dict[str, HostReport], seconds: float) -> str:
+    """The `preflight-<run>` markdown: a row per host, a column per check; then every problem and warning."""
+    head = "| host | " + " | ".join(CHECKS) + " | s |"
+    rows = [head, "|" + "---|" * (len(CHECKS) + 2)]
+    for name, r in reports.items():
+        cells = [MARK[r.checks[c].status] if c in r.checks else "-" for c in CHECKS]
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {r.seconds:.1f} |")
+    problems = [f"- **{name}**, {c}: {r.checks[c].detail}" for name, r in reports.items() for c in CHECKS
+                if c in r.checks and r.checks[c].status in ("fail", "warn")]
+    failed = sum(1 for r in reports.values() if r.failures)
+    out = [f"# Preflight of run `{run}`", "",
+           f"{len(reports)} host(s) checked in {seconds:.1f} s: **{failed} would fail the run**." if failed else
+           f"{len(reports)} host(s) checked in {seconds:.1f} s: all ready.", "", *rows, ""]
+    if problems:
+        out += ["## Problems and warnings", "", *problems, ""]
+    first = next(iter(reports.values()))
+    out += [f"## What host {first.host} reported", ""]
+    out += [f"- {c}: {first.checks[c].status}: {first.checks[c].detail}" for c in CHECKS if c in first.checks]
+    return "\n".join(out) + "\n"
+
+
+def plan_markdown(run: str, plan: dict) -> str:
+    """The `plan-<run>` markdown."""
+    if "error" in plan:
+        return f"# Plan of run `{run}`\n\n{plan['error']}\n"
+    rows = [("samples", f"{plan['samples']:,}"),
+            ("tokens", f"{plan['tokens']:,}" + ("" if plan["exact"] else
+                                                f" (estimated from {plan['sampled']:,} samples)")
+             + f", {plan['counted']}"),
+            ("bytes per token", f"{plan['bytes_per_token']:,}"),
+            ("output", f"{gib(plan['output_bytes'])} in ~{plan['files']:,} files, {plan['shards']} shard(s)")]
+    if plan.get("tokens_per_s_per_gpu"):
+        rows += [("rate (benchmark, median of hosts)", f"{plan['tokens_per_s_per_gpu']:,.0f} tok/s per GPU"),
+                 ("GPU-hours", f"{plan['gpu_hours']:,.1f}"),
+                 ("wall time", f"{plan['wall_hours']:,.2f} h on {min(plan['gpus'], plan['shards'])} GPU(s)"),
+                 ("output rate", f"{gib(plan['output_bytes_per_s'])}/s")]
+        if "s3_requests_per_s" in plan:
+            rows.append(("S3 requests", f"{plan['s3_requests_per_s']:,.1f}/s (PUTs, multipart parts, journal)"))
+    else:
+        rows.append(("rate, GPU-hours, wall time", "not measured: run with benchmark=true"))
+    body = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    rates = "".join(f"\n- {h}: {r:,.0f} tok/s" for h, r in plan.get("rates", {}).items())
+    return f"# Plan of run `{run}`\n\n| what | value |\n|---|---|\n{body}\n" + (
+        f"\nPer host (first GPU):{rates}\n" if rates else "")
