@@ -12,6 +12,9 @@ registers, on the Prefect server of PREFECT_API_URL, idempotently (run it again 
   `--param` is validated against the flow's schema before a run is created;
 - deployment `extract/qwen-rerun`: the same parameters on a schedule (`--rerun-every`, paused unless
   given): each run reads the journals, launches only incomplete shards, and stops at the attempt cap;
+- deployment `extract/qwen-preflight`: the same parameters with `preflight="only"`: every host checked in
+  parallel and the plan in numbers (artifacts `preflight-<run>`, `plan-<run>`), nothing launched;
+  `prefect deployment run extract/qwen-preflight -p benchmark=true` also times the worker on each host;
 - three automations: a failed run's `extract.run.incomplete` event starts a run of exactly its failed
   shards (same parameters, `rerun_depth` + 1); a run whose heartbeats stop is marked Crashed; a Crashed
   run is run again with the same parameters, which adopts the shards still running on the hosts.
@@ -68,7 +71,7 @@ def ensure_pool(name: str) -> None:
 
 def register_deployments(parameters: dict, pool: str, rerun_every: timedelta | None, env: dict | None = None,
                          source: Path = ROOT) -> dict[str, str]:
-    """Apply `extract/qwen` and `extract/qwen-rerun`; returns {name: deployment id}."""
+    """Apply `extract/qwen`, `extract/qwen-rerun` and `extract/qwen-preflight`; returns {name: deployment id}."""
     from prefect import flow as prefect_flow
     from prefect.schedules import Interval
 
@@ -77,12 +80,16 @@ def register_deployments(parameters: dict, pool: str, rerun_every: timedelta | N
     ids = {}
     specs = [("qwen", None, "Qwen3.6-27B DFlash hidden states: run the shards that are not complete yet"),
              ("qwen-rerun", rerun_every or timedelta(hours=1),
-              "Scheduled re-run of the same run: reconciles, launches only incomplete shards, stops at the cap")]
+              "Scheduled re-run of the same run: reconciles, launches only incomplete shards, stops at the cap"),
+             ("qwen-preflight", None, "Preflight of the same run: every host checked (SSH, clock, bundle, GPUs, "
+              "model, dataset, output, disk; benchmark=true times the worker), the plan in numbers; launches "
+              "nothing")]
     for name, every, description in specs:
+        given = {**parameters, "preflight": "only"} if name == "qwen-preflight" else parameters
         kwargs = {}
         if every is not None:
             kwargs["schedules"] = [Interval(every, active=rerun_every is not None, slug=f"{name}-every")]
-        deployment = loaded.to_deployment(name=name, parameters=parameters, work_pool_name=pool,
+        deployment = loaded.to_deployment(name=name, parameters=given, work_pool_name=pool,
                                           job_variables=job, tags=[TAG], description=description,
                                           enforce_parameter_schema=True, **kwargs)
         ids[name] = str(deployment.apply(work_pool_name=pool))

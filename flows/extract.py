@@ -47,7 +47,7 @@ PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num
               "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s",
               "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts", "reset_attempts",
               "rerun_depth", "max_reruns", "status_interval_s", "progress_timeout_s", "spool_high_gb",
-              "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s")
+              "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s", "preflight", "benchmark")
 
 
 def flow_run_name() -> str:
@@ -114,6 +114,8 @@ def extract(
     confine: Literal[CONFINE_MODES] = W.confine,
     cancel_grace_s: Annotated[float, Field(ge=0)] = 60.0,
     synthetic_tokens_per_s: Annotated[float, Field(gt=0)] | None = None,
+    preflight: Literal["off", "first", "only"] = "off",
+    benchmark: bool = False,
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -134,9 +136,24 @@ def extract(
 
     `synthetic_tokens_per_s`: the workers run no model (`hsextract extract --synthetic`): random states of the
     real size at that rate through the same files, journals and uploads, for simulating a fleet.
+
+    `preflight`: "only" runs the `preflight` flow (flows/preflight.py: every host checked, the plan in
+    numbers; `benchmark`: with a timed run of the worker on each host) with these parameters and launches
+    nothing (the deployment `extract/qwen-preflight`); "first" runs it, then the extraction only if it passed.
     """
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()
+    if preflight != "off":
+        from flows.preflight import PREFLIGHT_PARAMETERS, preflight as preflight_flow
+
+        checked = preflight_flow(**{k: params[k] for k in PREFLIGHT_PARAMETERS}, benchmark=benchmark,
+                                 return_state=True)
+        if preflight == "only" or not checked.is_completed():  # this run ends as its preflight did
+            from prefect.states import Completed, Failed
+
+            end = Completed if checked.is_completed() else Failed
+            return end(message=checked.message, data=checked.result(raise_on_failure=False))
+        log.info("preflight passed: %s", checked.message)
     plan = board = cancel = None
     try:
         plan = plan_run(params, log)

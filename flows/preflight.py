@@ -113,12 +113,13 @@ def preflight(
     bad = {name: r.failures for name, r in reports.items() if r.failures}
     log.info("preflight of run %s: %d host(s) checked in %.1fs, %d with problems", run, len(reports), elapsed, len(bad))
     result = {"run_name": run, "seconds": round(elapsed, 2), "plan": plan,
-              "hosts": {name: {c: r.checks[c].status for c in CHECKS if c in r.checks} for name, r in reports.items()}}
+              "hosts": {name: {c: r.checks[c].status for c in CHECKS if c in r.checks} for name, r in reports.items()},
+              "problems": {name: dict(failures) for name, failures in bad.items()}}
     if bad:
         lines = [f"- host {name}: {check}: {why}" for name, failures in bad.items() for check, why in failures]
+        more = f"\n... and {len(lines) - 20} more (artifact preflight-{key})" if len(lines) > 20 else ""
         return Failed(message=f"preflight of run {run}: {len(bad)} of {len(reports)} host(s) would fail the run:\n"
-                              + "\n".join(lines[:20]) + (f"\n... and {len(lines) - 20} more" if len(lines) > 20 else ""),
-                      data=result)
+                              + "\n".join(lines[:20]) + more, data=result)
     return Completed(message=f"preflight of run {run}: {len(reports)} host(s) ready", data=result)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything this project needs, idempotently: a virtualenv in .venv with the CPU build of torch
 # first (so nothing pulls a multi-GB CUDA build), then the project with all its extras, plus the
-# system packages the tests need (openssh-server, iproute2, chromium for the UI test) when run as root on
+# system packages the tests need (openssh-server, iproute2, chromium for the UI test, libfaketime) when run as root on
 # Debian/Ubuntu.
 # Override the torch requirement with TORCH_SPEC (e.g. TORCH_SPEC='torch>=2.6' on a GPU host).
 set -euo pipefail
@@ -14,6 +14,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   [ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
   command -v ip >/dev/null || missing="$missing iproute2"
   command -v flock >/dev/null || missing="$missing util-linux"
+  [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || [ "$(uname -m)" != x86_64 ] \
+    || missing="$missing libfaketime"  # the preflight test's host whose clock is off
   command -v chromium >/dev/null || missing="$missing chromium fonts-liberation"  # the UI test's browser
   if [ -n "$missing" ]; then
     apt-get update -qq >/dev/null

@@ -47,13 +47,18 @@ def _proc_start(pid_expr: str) -> str:
     return f"sed 's/.*) //' /proc/{pid_expr}/stat 2>/dev/null | cut -d' ' -f{PROC_START_FIELD}"
 
 
-def check_bundle_cmd(workdir: str, bundle_sha256: str, python: str) -> str:
-    """Prints `BUNDLE <hash>` if that bundle is unpacked whole, then the worker's version through `python`."""
+def check_bundle_cmd(workdir: str, bundle_sha256: str, python: str, synthetic: bool = False) -> str:
+    """Prints `BUNDLE <hash>` if that bundle is unpacked whole, then the worker's version through `python`, then
+    the environment check it passed before (`env_check_cmd`'s line, kept with the bundle), if any."""
     d = bundle_dir(workdir, bundle_sha256)
     return (f"test -f {quote(d + '/.complete')} || {{ echo 'NO BUNDLE'; exit 4; }}; "
             f"printf 'BUNDLE %s\\n' \"$(cat {quote(d + '/.complete')})\" && "
             f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(python)} -m hsextract --version && "
-            f"{{ cat {quote(d + '/.env')} 2>/dev/null; true; }}")
+            f"{{ cat {quote(d + _env_file(synthetic))} 2>/dev/null; true; }}")
+
+
+def _env_file(synthetic: bool) -> str:
+    return "/.env-synthetic" if synthetic else "/.env"
 
 
 def bundle_tarball(workdir: str, bundle_sha256: str, nonce: str) -> str:
@@ -77,13 +82,21 @@ def unpack_bundle_cmd(workdir: str, bundle_sha256: str, nonce: str) -> str:
             f"{{ rm -rf {quote(d)} && mv -T {quote(part)} {quote(d)}; }}; }}")
 
 
-def env_check_cmd(python: str, workdir: str, bundle_sha256: str) -> str:
-    """Prints `ENV {...}` (worker-side package versions, CUDA device count) and keeps it with the bundle."""
-    code = ("import json, torch, transformers, safetensors; print('ENV ' + json.dumps({'torch': torch.__version__, "
-            "'transformers': transformers.__version__, 'safetensors': safetensors.__version__, "
-            "'cuda_devices': torch.cuda.device_count()}))")
-    env = bundle_dir(workdir, bundle_sha256) + "/.env"
-    return f"{quote(python)} -c {quote(code)} > {quote(env)}.$$.tmp && mv {quote(env)}.$$.tmp {quote(env)} && cat {quote(env)}"
+def env_check_cmd(python: str, workdir: str, bundle_sha256: str, synthetic: bool = False) -> str:
+    """Prints `ENV {...}` (worker-side package versions, CUDA device count) and keeps it with the bundle. For
+    synthetic workers (no model, no torch) the bundle's synthetic worker itself is what must import."""
+    d = bundle_dir(workdir, bundle_sha256)
+    if synthetic:
+        code = ("import json, platform, hsextract.synthetic; print('ENV ' + json.dumps({'synthetic': True, "
+                "'python': platform.python_version()}))")
+        run = f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(python)} -c {quote(code)}"
+    else:
+        code = ("import json, torch, transformers, safetensors; print('ENV ' + json.dumps({'torch': torch.__version__, "
+                "'transformers': transformers.__version__, 'safetensors': safetensors.__version__, "
+                "'cuda_devices': torch.cuda.device_count()}))")
+        run = f"{quote(python)} -c {quote(code)}"
+    env = d + _env_file(synthetic)
+    return f"{run} > {quote(env)}.$$.tmp && mv {quote(env)}.$$.tmp {quote(env)} && cat {quote(env)}"
 
 
 def preflight_cmd(workdir: str, bundle_sha256: str, python: str, options: list[str]) -> str:
@@ -125,14 +138,32 @@ def probe_cmd(control: str, journal: str, log: bool = True) -> str:
     )
 
 
-def probe_many_cmd(shards: list[tuple[str, str, str]], nonce: str) -> str:
+def _light_probe(control: str, journal: str, started: bool) -> str:
+    """`probe_cmd`'s sections (no log tail) with shell builtins where it forks a process per file: the clock is
+    read once per round trip (`$now`); the STARTED line only when `started` (a launch waiting for its proof);
+    the journal's last line only once there is an exit record (only a finished worker's is judged)."""
+    return (
+        f"cd {quote(control)} 2>/dev/null || {{ echo 'NO CONTROL DIR'; exit 0; }}; echo \"NOW $now\"; "
+        f"pid=; {{ read -r pid < pid; }} 2>/dev/null; echo \"PID $pid\"; "
+        f"ps=; {{ read -r ps < pid.start; }} 2>/dev/null; echo \"PIDSTART $ps\"; "
+        f"st=; [ -n \"$pid\" ] && {{ read -r st < /proc/$pid/stat; }} 2>/dev/null; "
+        f"if [ -n \"$st\" ]; then set -- ${{st##*) }}; echo \"STAT $1 ${{{PROC_START_FIELD}}}\"; fi; "
+        f"echo '---STARTED'; " + ("grep -m1 '^STARTED' worker.log 2>/dev/null; " if started else "")
+        + "echo '---HEARTBEAT'; hb=; { read -r hb < heartbeat.json; } 2>/dev/null; echo \"$hb\"; "
+        "echo '---EXIT'; ex=; { read -r ex < exit.json; } 2>/dev/null; echo \"$ex\"; "
+        f"echo '---JOURNAL'; if [ -n \"$ex\" ]; then tail -n 1 {quote(journal)} 2>/dev/null; fi; echo"
+    )
+
+
+def probe_many_cmd(shards: list[tuple[str, str, str] | tuple[str, str, str, bool]], nonce: str) -> str:
     """`probe_cmd` for many shards of one host in one round trip, without the log tails (a failure fetches its
-    shard's with `probe_cmd`): `shards` is (key, control dir, journal); each shard's sections follow a line
-    `===<nonce> <key>` (`nonce`: fresh per call, so nothing a worker wrote can pass for one; parsed by
-    `parse_probe_many`)."""
-    parts = []
-    for key, control, journal in shards:
-        body = probe_cmd(control, journal, log=False)
+    shard's with `probe_cmd`): `shards` is (key, control dir, journal[, launching]: then with its STARTED line);
+    each shard's sections follow a line `===<nonce> <key>` (`nonce`: fresh per call, so nothing a worker wrote
+    can pass for one; parsed by `parse_probe_many`). Cheap on the host: a handful of processes per round trip,
+    not a dozen per shard (see `_light_probe`)."""
+    parts = ["now=$(date +%s.%N)"]
+    for key, control, journal, *launching in shards:
+        body = _light_probe(control, journal, bool(launching and launching[0]))
         parts.append(f"echo {quote(f'==={nonce} {key}')}; ( {body} )")
     return "; ".join(parts) + f"; echo {quote(f'==={nonce} END')}"
 

@@ -52,9 +52,9 @@ class Deployed:
     seconds: float
 
 
-def _proof(host: Host, bundle_sha256: str, python: str, expect_version: str, timeout: float):
+def _proof(host: Host, bundle_sha256: str, python: str, expect_version: str, timeout: float, synthetic: bool):
     """(proved, result): proved when the host printed exactly this bundle's hash and the worker version."""
-    result = host.run(check_bundle_cmd(host.spec.workdir, bundle_sha256, python), timeout)
+    result = host.run(check_bundle_cmd(host.spec.workdir, bundle_sha256, python, synthetic), timeout)
     lines = result.stdout.split("\n")  # BUNDLE <hash>, hsextract <version>, then ENV {...} once proved
     proved = (result.ok and len(lines) >= 2 and lines[0] == f"BUNDLE {bundle_sha256}"
               and lines[1] == f"hsextract {expect_version}")
@@ -71,12 +71,13 @@ def _free_space(host: Host, path: str) -> str:
         return ""
 
 
-def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0) -> Deployed:
-    """Prove `host` holds `bundle` and can import the worker's packages, pushing the bundle first when it does
-    not; DeployFailed naming the host and what it printed."""
+def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0, synthetic: bool = False) -> Deployed:
+    """Prove `host` holds `bundle` and can import the worker's packages (`synthetic`: the synthetic worker's,
+    which need no torch), pushing the bundle first when it does not; DeployFailed naming the host and what it
+    printed."""
     started = time.monotonic()
     python = host.spec.python
-    proved, check = _proof(host, bundle.sha256, python, version, timeout)
+    proved, check = _proof(host, bundle.sha256, python, version, timeout, synthetic)
     skipped = proved
     if not proved:
         nonce = uuid.uuid4().hex[:12]
@@ -90,18 +91,18 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
         if not unpacked.stdout.startswith(f"SHA256 {bundle.sha256}\n") or not unpacked.ok:
             raise DeployFailed(f"host {host.name}: wrong bundle hash or unpack failed: {_said(unpacked)}\n"
                                f"(expected sha256 {bundle.sha256}); " + unpacked.describe())
-        proved, check = _proof(host, bundle.sha256, python, version, timeout)
+        proved, check = _proof(host, bundle.sha256, python, version, timeout, synthetic)
         if not proved:
             raise DeployFailed(f"host {host.name}: `{python} -m hsextract --version` did not prove the bundle: "
                                f"{_said(check)}\n"
                                f"(expected 'BUNDLE {bundle.sha256}' and 'hsextract {version}'); " + check.describe())
     if skipped and (line := next((l for l in check.stdout.splitlines() if l.startswith("ENV ")), None)):
         return Deployed(host.name, bundle.sha256, version, line[4:], True, round(time.monotonic() - started, 3))
-    env = host.run(env_check_cmd(python, host.spec.workdir, bundle.sha256), timeout)
+    env = host.run(env_check_cmd(python, host.spec.workdir, bundle.sha256, synthetic), timeout)
     line = next((l for l in env.stdout.splitlines() if l.startswith("ENV ")), None)
     if not env.ok or line is None:
-        raise DeployFailed(f"host {host.name}: its python cannot import the worker's packages (torch, transformers, "
-                           f"safetensors): {_said(env)}\n" + env.describe())
+        what = "the synthetic worker" if synthetic else "the worker's packages (torch, transformers, safetensors)"
+        raise DeployFailed(f"host {host.name}: its python cannot import {what}: {_said(env)}\n" + env.describe())
     return Deployed(host.name, bundle.sha256, version, line[4:], skipped, round(time.monotonic() - started, 3))
 
 
@@ -143,7 +144,7 @@ def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str,
     """Task: `deploy_host` over a connection of its own, then `preflight_host` with the worker `options`
     (when given); a transient failure is retried, a mistake in the inputs is not."""
     with connect(inventory.host(host_name), inventory) as host:
-        deployed = deploy_host(host, bundle, version)
+        deployed = deploy_host(host, bundle, version, synthetic=options is not None and "--synthetic" in options)
         found = preflight_host(host, bundle.sha256, options) if options is not None else {}
     get_run_logger().info("host %s: bundle %s %s, %s, %s (%.1fs)%s", host_name, bundle.sha256[:12],
                           "already in place" if deployed.skipped else "pushed", deployed.version,

@@ -61,14 +61,20 @@ class HostMonitor:
             self.shards.pop(key, None)
             self.launching.discard(key)
 
-    def next(self, key: str, after: int, cancel: threading.Event) -> tuple[int, Probe | HostError] | None:
+    def next(self, key: str, after: int, cancel: threading.Event,
+             wait_s: float | None = None) -> tuple[int, Probe | HostError] | None:
         """The first reading after reading `after` that covers `key` (its probe, or the round trip's error);
-        None once `cancel` is set (the pool wakes every waiter then)."""
+        None once `cancel` is set (the pool wakes every waiter then). After `wait_s` without one (a round trip
+        hanging on a host cut off), a transient HostError saying so."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         with self.cond:
             while not cancel.is_set() and not self.stopped:
                 if self.seq > after and (self.error is not None or key in self.probes):
                     return self.seq, self.error if self.error is not None else self.probes[key]
-                self.cond.wait(1.0)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return after, HostError(self.host.name, "the probe round trip", f"no answer for {wait_s:.0f}s "
+                                            f"(the round trip has not come back)", transient=True)
+                self.cond.wait(1.0 if deadline is None else max(0.01, min(1.0, deadline - time.monotonic())))
             return None
 
     def wake(self) -> None:
@@ -88,7 +94,7 @@ class HostMonitor:
                     self.cond.wait()
                 if self.stopped:
                     return
-                shards = dict(self.shards)
+                shards = {key: (*where, key in self.launching) for key, where in self.shards.items()}
             began = time.monotonic()
             probes, error = self._round_trip(shards)
             with self.cond:
@@ -107,9 +113,9 @@ class HostMonitor:
                         break
                     self.cond.wait(left)
 
-    def _round_trip(self, shards: dict[str, tuple[str, str]]) -> tuple[dict[str, Probe], HostError | None]:
+    def _round_trip(self, shards: dict[str, tuple[str, str, bool]]) -> tuple[dict[str, Probe], HostError | None]:
         nonce = uuid.uuid4().hex[:16]
-        command = probe_many_cmd([(key, control, journal) for key, (control, journal) in shards.items()], nonce)
+        command = probe_many_cmd([(key, *where) for key, where in shards.items()], nonce)
         what = f"the probe of its {len(shards)} shard(s)"  # named so, not by its long command, in failures
         try:
             result = self.host.run(command, self.timeout_s)
@@ -139,12 +145,12 @@ class ShardWatch:
         self.seen = self.monitor.seq
         self.monitor.watch(self.key, self.job.control_dir, self.job.journal, self.launching)
 
-    def next(self, cancel: threading.Event) -> Probe | None:
-        """The next reading of this shard (HostError when the host's round trip failed); None on cancel. The
-        host's round trips include this shard from the first call on."""
+    def next(self, cancel: threading.Event, wait_s: float | None = None) -> Probe | None:
+        """The next reading of this shard (HostError when the host's round trip failed, or none came within
+        `wait_s`); None on cancel. The host's round trips include this shard from the first call on."""
         if self.seen is None:
             self._start()
-        got = self.monitor.next(self.key, self.seen, cancel)
+        got = self.monitor.next(self.key, self.seen, cancel, wait_s)
         if got is None:
             return None
         self.seen, reading = got
@@ -170,7 +176,8 @@ class DirectWatch:
         self.host, self.job, self.interval_s, self.timeout_s = host, job, interval_s, timeout_s
         self.pause: float | None = None if at_once else interval_s  # at_once: no wait before the first probe
 
-    def next(self, cancel: threading.Event) -> Probe | None:
+    def next(self, cancel: threading.Event, wait_s: float | None = None) -> Probe | None:
+        """The next probe (after the interval); `wait_s` is moot: a probe's own timeout bounds it."""
         if self.pause is not None and cancel.wait(self.pause):
             return None
         self.pause = min(self.interval_s, 1.0)  # until this probe succeeds

@@ -188,7 +188,7 @@ def _checks(host: Host, report: HostReport, bundle: Bundle, version: str, option
     else:
         report.set("clock", "fail", f"`date` printed no time: {one_line(result.stdout + result.stderr)}")
     try:
-        deployed = deploy_host(host, bundle, version, timeout)
+        deployed = deploy_host(host, bundle, version, timeout, synthetic=options.synthetic is not None)
         report.set("bundle", "ok", f"{bundle.sha256[:12]} {'in place' if deployed.skipped else 'pushed'}; "
                                    f"{deployed.environment}")
         facts["environment"] = deployed.environment
@@ -235,8 +235,8 @@ def _worker_checks(host: Host, report: HostReport, bundle: Bundle, options: Work
         if "error" in got:
             report.set(name, "fail", got["error"])
     if "error" not in model:
-        report.set("model", "ok", f"{model['model_type']}, {model['num_layers']} layers (hidden {model['hidden_size']}),"
-                                  f" capture {model['layers']}, weights {gib(model['model_bytes'])}")
+        report.set("model", "ok", f"{model['model_type']}, {model['num_layers']} layers (hidden "
+                                  f"{model['hidden_size']}), capture {model['layers']}, weights {gib(model['model_bytes'])}")
     if "error" not in data:
         report.set("dataset", "ok", f"{gib(data['data_bytes'])}" + (
             f", {data['samples']:,} samples, ~{data['tokens']:,} tokens ({'all' if data['exact'] else data['sampled']}"
@@ -337,8 +337,8 @@ def plan_figures(tokens: int, samples: int, bytes_per_tok: int, gpus: int, rate:
                  options: WorkerOptions, num_shards: int) -> dict:
     """The run in numbers: samples, tokens, output bytes; at `rate` tokens/s per GPU (measured), GPU-hours, wall
     time on `gpus` GPUs, and (S3 output) the request rate: a file per batch, multipart above the part size."""
-    out = {"samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_tok, "output_bytes": tokens * bytes_per_tok,
-           "shards": num_shards, "gpus": gpus}
+    out = {"samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_tok,
+           "output_bytes": tokens * bytes_per_tok, "shards": num_shards, "gpus": gpus}
     file_tokens = options.token_budget
     file_bytes = file_tokens * bytes_per_tok
     out["files"] = math.ceil(tokens / max(1, file_tokens))

@@ -259,8 +259,8 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
     last_progress, progress_at = None, time.monotonic()
     last_log = 0.0
     while True:
-        try:
-            state = watch.next(cancel)
+        try:  # no reading for host_timeout_s is a verdict too, however long the host's round trip hangs
+            state = watch.next(cancel, max(1.0, deadlines.host_timeout_s - (time.monotonic() - last_ok)) + 0.5)
         except HostError as exc:
             down = time.monotonic() - last_ok
             if not exc.transient or down > deadlines.host_timeout_s:

@@ -75,7 +75,7 @@ def served(prefect_server, tiny_model, tmp_path_factory):
                                                        "workdir": str(root / "w"), "python": sys.executable}]))
     done = register(str(tiny_model), str(data), f"file://{root / 'out'}", hosts, pool=POOL, overrides=FAST,
                     zombie_after=ZOMBIE_AFTER)
-    assert set(done["deployments"]) == {"qwen", "qwen-rerun"} and set(done["automations"]) == set(AUTOMATIONS)
+    assert set(done["deployments"]) == {"qwen", "qwen-rerun", "qwen-preflight"} and set(done["automations"]) == set(AUTOMATIONS)
     served = Served(root, env, data, tiny_model)
     yield served
     served.stop_worker()

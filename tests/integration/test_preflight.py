@@ -14,51 +14,25 @@ from pathlib import Path
 import pytest
 
 from flows.preflight import preflight
-from harness.inventory import ssh_host_entry, write_inventory
+from harness.fleet import FAKETIME, add_hosts, place_model, s3_for
+from harness.inventory import write_inventory
 from harness.sshd import SshdFarm
 from hsextract import tiny
 
-FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_model):
-    """Hosts ok1, ok2, nomodel, full, skew, badkey; the model under models/ (hidden on nomodel)."""
+    """Hosts ok1, ok2, nomodel, full, skew, badkey (tests/harness/fleet.py); the model under models/."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root (mount namespaces)")
     base = tmp_path_factory.mktemp("preflight")
-    model = base / "models" / "tiny"
-    shutil.copytree(tiny_model, model)
+    model = place_model(tiny_model, base)
     with SshdFarm() as farm:
-        farm.add_host("ok1", netns=True)
-        farm.add_host("ok2", netns=True)
-        farm.add_host("nomodel", netns=True, mounts={str(base / "models"): 1 << 20})
-        farm.add_host("full", netns=True, mounts={str(base / "w-full"): 8 << 20})
-        farm.add_host("skew", netns=True, env={"LD_PRELOAD": FAKETIME, "FAKETIME": "+600"}
-                      if Path(FAKETIME).exists() else {})
-        farm.add_host("badkey", netns=True)
-        # the known key of badkey is ok1's: its own key does not match (as after a reinstall, or an impostor)
-        known = base / "known_hosts"
-        ok1, bad = farm.host("ok1"), farm.host("badkey")
-        lines = [line.replace(bad.host_public_key.split()[1], ok1.host_public_key.split()[1])
-                 for line in Path(bad.known_hosts).read_text().splitlines()]
-        known.write_text("\n".join(lines) + "\n")
-        entries = [ssh_host_entry(farm.host(n), base / f"w-{n}", gpus=(0,)) for n in
-                   ("ok1", "ok2", "nomodel", "full", "skew")]
-        entries.append(ssh_host_entry(bad, base / "w-badkey", gpus=(0,), known_hosts=str(known)))
+        entries = add_hosts(farm, base, model, {"ok1": None, "ok2": None, "nomodel": "nomodel", "full": "full",
+                                                "skew": "skew", "badkey": "badkey"})
         data = tiny.build_dataset(base / "chat.jsonl", 2000, seed=7)
-        # S3 where every host reaches it: moto on all addresses, by an address of this (the root) namespace that
-        # each namespace's default route leads to
-        from moto.server import ThreadedMotoServer
-
-        server = ThreadedMotoServer(ip_address="0.0.0.0", port=0, verbose=False)
-        server.start()
-        address = ok1.gateway or "127.0.0.1"
-        try:
+        with s3_for(farm, "ok1") as endpoint:
             yield dict(base=base, model=model, data=data, hosts=write_inventory(base / "hosts.yaml", entries),
-                       faketime=Path(FAKETIME).exists(), s3=f"http://{address}:{server.get_host_and_port()[1]}")
-        finally:
-            server.stop()
+                       faketime=Path(FAKETIME).exists(), s3=endpoint)
 
 
 @pytest.fixture
@@ -154,3 +128,27 @@ def test_the_worker_check_reports_every_problem_at_once(tiny_model, tmp_path):
     assert "no such directory" in verdicts["model"]["error"]
     assert "no such file" in verdicts["dataset"]["error"]
     assert "/proc/forbidden/out" in verdicts["output"]["error"]
+
+
+def test_extract_with_preflight_only_checks_and_launches_nothing(prefect_server, fleet, tmp_path):
+    """`extract(preflight="only")` (the deployment `extract/qwen-preflight`): the preflight's verdict and plan
+    artifacts, no worker launched; `preflight="first"` with a host that would fail stops before any launch."""
+    import yaml
+    from prefect.client.orchestration import get_client
+
+    from flows.extract import extract
+
+    entries = yaml.safe_load(Path(fleet["hosts"]).read_text())["hosts"]
+    good = write_inventory(tmp_path / "good.yaml", entries[:2])
+    common = dict(model=str(fleet["model"]), data=str(fleet["data"]), output=f"file://{tmp_path}/out",
+                  layers="1,3", device="cpu", return_state=True)
+    state = extract(hosts=str(good), preflight="only", run_name="pre-only", **common)
+    assert state.is_completed() and "2 host(s) ready" in state.message, state.message
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts()}
+    assert {"preflight-pre-only", "plan-pre-only"} <= keys
+    assert not list(fleet["base"].glob("w-*/runs/pre-only"))  # nothing launched
+    bad = write_inventory(tmp_path / "bad.yaml", entries[:3])  # + nomodel
+    state = extract(hosts=str(bad), preflight="first", run_name="pre-first", **common)
+    assert state.is_failed() and "host nomodel: model:" in state.message, state.message
+    assert not list(fleet["base"].glob("w-*/runs/pre-first"))

@@ -126,8 +126,11 @@ def test_one_round_trip_reads_every_shard_of_a_host(tmp_path):
             # what a worker writes cannot pass for a delimiter: the nonce is fresh per call
             (control / "heartbeat.json").write_text(json.dumps({"time": 2.0, "phase": f"p{n}",
                                                                 "last_batch": "===abc 9"}))
-            (tmp_path / f"j{n}").write_text('{"kind": "done", "summary": {}}\n' if n == 2 else "")
-            shards.append((str(n), str(control), str(tmp_path / f"j{n}")))
+            (tmp_path / f"j{n}").write_text('{"kind": "done", "summary": {}}\n' if n == 2 else '{"kind": "file"}\n')
+            (control / "worker.log").write_text(f"loading\nSTARTED shard={n}/3 pid={proc.pid}\n")
+            if n == 2:  # finished: its exit record, so its journal's last line is read
+                (control / "exit.json").write_text('{"code":0,"reason":"done"}')
+            shards.append((str(n), str(control), str(tmp_path / f"j{n}"), n == 0))  # shard 0: a launch waits
         shards.append(("7", str(tmp_path / "missing"), "/nope"))
         cmd = probe_many_cmd(shards, "abc")
         out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True).stdout
@@ -136,12 +139,17 @@ def test_one_round_trip_reads_every_shard_of_a_host(tmp_path):
         assert probes["0"].alive and not probes["1"].alive and probes["2"].alive
         assert [probes[k].heartbeat["phase"] for k in "012"] == ["p0", "p1", "p2"]
         assert probes["2"].journal_last["kind"] == "done" and probes["0"].journal_last is None
+        assert probes["2"].exit == {"code": 0, "reason": "done"} and probes["0"].exit is None
+        # the STARTED line for the launch that waits for it only
+        assert probes["0"].started_line == f"STARTED shard=0/3 pid={proc.pid}" and probes["1"].started_line == ""
+        assert probes["0"].now is not None and probes["0"].now == probes["2"].now  # one clock reading
         assert not probes["7"].has_control_dir
         single = parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(shards[0][1], shards[0][2])],
                                             capture_output=True, text=True).stdout)
-        assert (single.pid, single.state, single.heartbeat) == (probes["0"].pid, probes["0"].state,
-                                                                 probes["0"].heartbeat)
-        assert probes["0"].log == "" and single.log == ""  # no log tails in the host's round trip
+        assert (single.pid, single.state, single.proc_start, single.recorded_start, single.heartbeat,
+                single.started_line) == (probes["0"].pid, probes["0"].state, probes["0"].proc_start,
+                                         probes["0"].recorded_start, probes["0"].heartbeat, probes["0"].started_line)
+        assert probes["0"].log == "" and "STARTED" in single.log  # no log tails in the host's round trip
         assert parse_probe_many(out.rsplit("===abc END", 1)[0], "abc") == {}  # cut off: nothing
     finally:
         proc.kill()

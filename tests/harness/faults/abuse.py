@@ -81,7 +81,8 @@ def injection(lab: Lab, case: Case, examples: int = 40) -> Outcome:
         commands = [launch_cmd(control, str(bundle), 0, argv, f"{control}/j{v}", wait_s=1.0,
                                env={"AWS_DEFAULT_REGION": v}, unset=("AWS_PROFILE",)),
                     probe_cmd(control, f"{control}/j{v}"), kill_cmd(control), check_bundle_cmd(workdir, sha, str(python)),
-                    env_check_cmd(str(python), workdir, sha), unpack_bundle_cmd(workdir, sha, v)]
+                    env_check_cmd(str(python), workdir, sha), env_check_cmd(str(python), workdir, sha, True),
+                    unpack_bundle_cmd(workdir, sha, v)]
         for command in commands:
             host.run(command, 30)
             counts["commands"] += 1
