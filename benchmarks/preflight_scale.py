@@ -1,6 +1,6 @@
 """The preflight on a fleet: time to the table, and every injected problem named on its host.
 
-    .venv/bin/python benchmarks/preflight_scale.py [--hosts 32] [--samples 4000]
+    .venv/bin/python benchmarks/preflight_scale.py [--hosts 32] [--samples 20000]
 
 Real sshd hosts in network namespaces (tests/harness/fleet.py), one of them with each problem: the model
 directory missing, the disk nearly full, the clock 10 minutes off, a host key that is not the one known. A real
@@ -43,7 +43,7 @@ def reason(state, host: str, check: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=32)
-    ap.add_argument("--samples", type=int, default=4000)
+    ap.add_argument("--samples", type=int, default=20000)
     args = ap.parse_args()
     import boto3
     from moto import settings
@@ -91,23 +91,23 @@ def main() -> int:
     print(f"{'first (bundle pushed, imports checked on every host)':<70}{first:>8.1f}")
     print(f"{'again: flow start -> table':<70}{timed:>8.1f}  < 30")
     print(f"{'bad credentials and device=cuda (no GPU here)':<70}{third:>8.1f}")
-    print(f"\n{'injected problem':<14}{'host':<8}{'check':<8}{'named':<7}reason given")
+    print(f"\n{'injected problem':<18}{'host':<8}{'check':<8}{'named':<7}reason given")
     for host, problem in injected.items():
         check, words = EXPECT[problem]
         said = reason(state, host, check)
         good = words in said and result["hosts"][host][check] == "fail"
         ok &= good
-        print(f"{problem:<14}{host:<8}{check:<8}{'yes' if good else 'NO':<7}{said[:110]}")
+        print(f"{problem:<18}{host:<8}{check:<8}{'yes' if good else 'NO':<7}{said[:110]}")
     others = [h for h, checks in result["hosts"].items() if h not in injected and "fail" in checks.values()]
     ok &= not others
-    print(f"{'(none)':<14}{'others':<8}{'':<8}{'yes' if not others else 'NO':<7}"
+    print(f"{'(none)':<18}{'others':<8}{'':<8}{'yes' if not others else 'NO':<7}"
           f"{len(result['hosts']) - len(injected) - len(others)} other hosts pass" +
           (f"; failing: {others}" if others else ""))
     for problem in ("credentials", "cuda"):
         check, words = EXPECT[problem]
         named = [h for h in problems if h not in injected and words in reason(bad, h, check)]
         ok &= len(named) == len(problems) - len(injected)
-        print(f"{problem:<14}{'all':<8}{check:<8}{f'{len(named)}/{len(problems) - len(injected)}':<7}"
+        print(f"{problem:<18}{'all':<8}{check:<8}{f'{len(named)}/{len(problems) - len(injected)}':<7}"
               f"{reason(bad, 'p00', check)[:110]}")
     plan = result["plan"]
     print(f"\nplan: {plan.get('samples')} samples, ~{plan.get('tokens')} tokens, "
