@@ -283,8 +283,8 @@ def _benchmark(host: Host, report: HostReport, bundle: Bundle, options: WorkerOp
     about `samples` samples of the dataset, into a scratch directory removed afterwards: its tokens/s."""
     spec = host.spec
     scratch = f"{spec.workdir}/preflight/bench-{uuid.uuid4().hex[:12]}"
-    opts = replace(options, out=f"{scratch}/out", status_dir=None, random_weights=0, confine="off", progress="log",
-                   s3_endpoint=None, upload_from="disk")
+    opts = replace(options, out=f"{scratch}/out", status_dir=None, confine="off", progress="log", s3_endpoint=None,
+                   upload_from="disk", random_weights=None if options.synthetic is not None else 0)
     argv = opts.argv()
     words = [quote(a) for a in argv]
     words[argv.index("--num-shards") + 1] = "$k"  # shard 0 of as many as make it ~`samples` samples

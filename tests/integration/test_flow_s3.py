@@ -23,6 +23,7 @@ from tasks.reconcile import INDEX_NAME, SUCCESS_NAME
 
 from harness.worker import dataset_ids
 from harness.inventory import ssh_host_entry, write_inventory
+from harness.prefect import prefect_records
 
 FAST = dict(heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
             host_timeout_s=10)
@@ -66,28 +67,6 @@ def grep_tree(root: Path, secrets: list[str]) -> list[str]:
             hits += [f"{path}: {s[:4]}..." for s in secrets if s.encode() in data]
     return hits
 
-
-def prefect_records(flow_run_id) -> str:
-    """Everything Prefect kept about a flow run, as text: logs, artifacts, task and flow run states."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId,
-                                                LogFilter, LogFilterFlowRunId)
-
-    with get_client(sync_client=True) as client:
-        logs, page = [], LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-        while batch := client.read_logs(page, limit=200, offset=len(logs)):  # every page, not the first 200
-            logs += batch
-        runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        tasks = client.read_task_runs(flow_run_filter=runs)
-        flow_run = client.read_flow_run(flow_run_id)
-        # filtered: an unfiltered read stops at the server's page size (200) and would skip this run's
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    parts = [log.message for log in logs]
-    parts += [json.dumps(a.data, default=str) + (a.description or "") for a in artifacts]
-    parts += [f"{t.name} {t.state.message if t.state else ''}" for t in tasks]
-    parts += [json.dumps(flow_run.parameters, default=str), flow_run.state.message or ""]
-    return "\n".join(parts)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from flows.preflight import preflight
 from harness.fleet import FAKETIME, add_hosts, place_model, s3_for
 from harness.inventory import write_inventory
+from harness.prefect import prefect_records
 from harness.sshd import SshdFarm
 from hsextract import tiny
 
@@ -94,7 +96,8 @@ def test_preflight_names_bad_credentials_and_a_missing_gpu_on_every_host(prefect
     from prefect_aws import AwsCredentials
 
     client, bucket = bucket
-    AwsCredentials(aws_access_key_id="AKIAWRONGWRONGWRONG0", aws_secret_access_key="wrong", region_name="us-east-1",
+    secret = f"hsx-secret-{uuid.uuid4().hex}"
+    AwsCredentials(aws_access_key_id="AKIAWRONGWRONGWRONG0", aws_secret_access_key=secret, region_name="us-east-1",
                    aws_client_parameters={"endpoint_url": fleet["s3"]}).save("preflight-bad", overwrite=True)
     hosts = write_inventory(fleet["base"] / "two.yaml", [
         {**entry} for entry in __import__("yaml").safe_load(Path(fleet["hosts"]).read_text())["hosts"][:2]])
@@ -112,6 +115,10 @@ def test_preflight_names_bad_credentials_and_a_missing_gpu_on_every_host(prefect
         assert "cannot write a probe object" in line and ("InvalidAccessKeyId" in line or "403" in line), line
         line = state.message.split(f"host {name}: gpus:")[1].split("\n")[0]
         assert "no CUDA device" in line and "device is cuda" in line, line
+    # the keys went to each host as a 0600 file the check read and removed: never in Prefect's records or on disk
+    assert secret not in prefect_records(state.state_details.flow_run_id)
+    leaked = [p for p in fleet["base"].rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked, leaked
 
 
 def test_the_worker_check_reports_every_problem_at_once(tiny_model, tmp_path):
