@@ -170,6 +170,13 @@ def table(run: str, reports: dict[str, HostReport], seconds: float) -> str:
     return "\n".join(out) + "\n"
 
 
+def hours(h: float) -> str:
+    """`2 d 3.5 h`, `3.5 h`, `12 min`, `40 s`."""
+    if h >= 48:
+        return f"{int(h // 24)} d {h % 24:.1f} h"
+    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.0f} min" if h >= 1 / 60 else f"{h * 3600:.0f} s"
+
+
 def plan_markdown(run: str, plan: dict) -> str:
     """The `plan-<run>` markdown."""
     if "error" in plan:
@@ -182,8 +189,9 @@ def plan_markdown(run: str, plan: dict) -> str:
             ("output", f"{gib(plan['output_bytes'])} in ~{plan['files']:,} files, {plan['shards']} shard(s)")]
     if plan.get("tokens_per_s_per_gpu"):
         rows += [("rate (benchmark, median of hosts)", f"{plan['tokens_per_s_per_gpu']:,.0f} tok/s per GPU"),
-                 ("GPU-hours", f"{plan['gpu_hours']:,.1f}"),
-                 ("wall time", f"{plan['wall_hours']:,.2f} h on {min(plan['gpus'], plan['shards'])} GPU(s)"),
+                 ("GPU-hours", f"{plan['gpu_hours']:,.1f}" if plan["gpu_hours"] >= 10 else
+                  f"{plan['gpu_hours']:.3g}"),
+                 ("wall time", f"{hours(plan['wall_hours'])} on {min(plan['gpus'], plan['shards'])} GPU(s)"),
                  ("output rate", f"{gib(plan['output_bytes_per_s'])}/s")]
         if "s3_requests_per_s" in plan:
             rows.append(("S3 requests", f"{plan['s3_requests_per_s']:,.1f}/s (PUTs, multipart parts, journal)"))

@@ -173,7 +173,8 @@ def _checks(host: Host, report: HostReport, bundle: Bundle, version: str, option
     sent = time.time()
     result = host.run(facts_cmd(spec.workdir, local_out), timeout)  # the login itself: HostError if it fails
     back = time.time()
-    report.set("ssh", "ok", f"{spec.user + '@' if spec.user else ''}{spec.hostname}:{spec.port}, host key known")
+    report.set("ssh", "ok", "this machine (no SSH)" if spec.is_local else
+               f"{spec.user + '@' if spec.user else ''}{spec.hostname}:{spec.port}, host key known")
     facts = report.facts = parse_facts(result.stdout)
     if "now" in facts:
         skew = facts["now"] - (sent + back) / 2
@@ -305,7 +306,8 @@ def _benchmark(host: Host, report: HostReport, bundle: Bundle, options: WorkerOp
         return
     summary = json.loads(line[8:])
     report.facts["benchmark"] = summary
-    report.set("benchmark", "ok", f"{summary['tokens_per_s']:,.0f} tok/s on GPU {spec.gpus[0]} over "
+    where = f"GPU {spec.gpus[0]}" if report.facts.get("gpus") and options.device != "cpu" else "the CPU"
+    report.set("benchmark", "ok", f"{summary['tokens_per_s']:,.0f} tok/s on {where} over "
                                   f"{summary['tokens']:,} tokens ({summary['samples_done']} samples; load "
                                   f"{summary.get('load_s', 0)}s, warm-up {summary.get('warm_s', 0)}s)")
 
