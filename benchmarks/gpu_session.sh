@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh 3   # model load against a raw read (32 layers, ~27 GB), tuned host or not
 #   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
 #   bash benchmarks/gpu_session.sh 5   # torch.compile of the decoder layers beside the bare forward (32 layers)
+#   bash benchmarks/gpu_session.sh 6   # the preflight's GPU facts (nvidia-smi, parsed as the preflight does)
 # Needs flash-linear-attention and fla-core 0.6.0 as wheels in .whl/ (carried to the device); writes its logs
 # and JSON to $OUT (default ./gpu-out). Every figure of a part comes from the one machine that ran it.
 set -o pipefail
@@ -65,7 +66,13 @@ case "$1" in
 5)
     timeout 540 python3 benchmarks/gpu_throughput.py --bare-only --compile --no-reference --ceiling-batches 16 \
         --json "$OUT/compile.json" 2>&1 | quiet | tee "$OUT/compile.log" ;;
+6)  # the preflight's GPU facts on a real GPU: nvidia-smi's lines as tasks/commands.py parses them
+    PYTHONPATH=src:.:/tmp/site python3 -c "
+import subprocess
+from tasks.commands import facts_cmd, parse_facts
+out = subprocess.run(['sh', '-c', facts_cmd('/tmp/hsx-w', '/tmp')], capture_output=True, text=True).stdout
+print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null

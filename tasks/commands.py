@@ -291,3 +291,51 @@ def parse_probe(stdout: str) -> Probe:
     probe.journal_last = _json_or_none(sections.get("JOURNAL", ""))
     probe.log = sections.get("LOG", "")
     return probe
+
+
+def facts_cmd(workdir: str, output_dir: str | None) -> str:
+    """One round trip for the host's facts: its clock, free disk of the workdir (and of a local output), and the
+    GPUs `nvidia-smi` lists (index, name, total and free MiB), in lines parsed by `parse_facts`."""
+    def df(label: str, path: str) -> str:
+        return (f"p={quote(path)}; while [ ! -d \"$p\" ]; do p=$(dirname \"$p\"); done; "
+                f"echo \"DF {label} $(df -Pk \"$p\" | tail -n 1)\"")
+
+    parts = ["echo \"NOW $(date +%s.%N)\"", df("workdir", workdir)]
+    if output_dir:
+        parts.append(df("output", output_dir))
+    parts.append("if command -v nvidia-smi >/dev/null 2>&1; then echo '---GPUS'; nvidia-smi "
+                 "--query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits 2>&1; "
+                 "echo \"---END $?\"; else echo 'NO NVIDIA-SMI'; fi")
+    return "; ".join(parts)
+
+
+def parse_facts(text: str) -> dict:
+    """`facts_cmd`'s output: {"now": float, "df": {label: (free bytes, mount)}, "gpus": [...] or None, "smi": ...}."""
+    facts: dict = {"df": {}, "gpus": None, "smi": ""}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("NOW "):
+            facts["now"] = float(line[4:])
+        elif line.startswith("DF "):
+            words = line.split()
+            if len(words) >= 7 and words[5].isdigit():
+                facts["df"][words[1]] = (int(words[5]) * 1024, words[7] if len(words) > 7 else "?")
+        elif line == "NO NVIDIA-SMI":
+            facts["smi"] = "nvidia-smi not found"
+        elif line == "---GPUS":
+            body = []
+            for rest in lines[i + 1:]:
+                if rest.startswith("---END"):
+                    if rest.split()[-1] != "0":
+                        facts["smi"] = "nvidia-smi failed: " + (" ".join(" ".join(body).split())[:240] or "no output")
+                        body = []
+                    break
+                body.append(rest)
+            gpus = []
+            for row in body:
+                cells = [c.strip() for c in row.split(",")]
+                if len(cells) == 4 and cells[0].isdigit() and cells[2].isdigit() and cells[3].isdigit():
+                    gpus.append({"index": int(cells[0]), "name": cells[1], "total": int(cells[2]) << 20,
+                                 "free": int(cells[3]) << 20})
+            facts["gpus"] = gpus
+    return facts

@@ -7,8 +7,8 @@ import subprocess
 from pathlib import Path
 
 from hsextract.options import WorkerOptions
-from tasks.preflight import (HostReport, bytes_per_token, facts_cmd, gpu_need, judge_disk, parse_facts,
-                             plan_figures)
+from tasks.commands import facts_cmd, parse_facts
+from tasks.preflight import HostReport, bytes_per_token, gpu_need, judge_disk, plan_figures
 
 
 def options(**kw) -> WorkerOptions:
