@@ -205,7 +205,7 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
         return failed(plan, board, incomplete(plan, summary["shards"], failures, params, log))
     log.info("run %s: all %d requested shard(s) complete", plan.run, len(plan.requested))
     data = params["data"]
-    if not (plan.reachable() and Path(data).is_file()):
+    if not (plan.reachable() and Path(data).exists()):
         log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the orchestrator "
                     "(file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)
         return completed(plan, board, summary, f"{len(plan.requested)} shard(s) done (not reconciled from here)")

@@ -211,7 +211,7 @@ def reconcile_dataset(store: Store, data: str, num_shards: int, verify: bool = F
                       artifact_key: str | None = None) -> Report:
     """Reconcile an output against a dataset readable from here; publish the table and the summary as
     artifacts under `artifact_key` (inside a run)."""
-    if not Path(data).is_file():
+    if not Path(data).exists():
         raise FileNotFoundError(f"reconcile: dataset {data!r} is not readable from the orchestrator")
     report = reconcile_output(store, dataset_ids(data), num_shards, retract=retract, verify=verify)
     if artifact_key:

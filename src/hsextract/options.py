@@ -39,7 +39,9 @@ class WorkerOptions:
 
     model: Path = field(default=None, metadata=option("local model directory (config, weights, tokenizer)",
                                                       required=True))
-    data: Path = field(default=None, metadata=option("JSONL dataset", required=True))
+    data: Path = field(default=None, metadata=option(
+        "dataset: JSONL (plain, .gz, .zst), a Parquet file or directory, or a `datasets` save_to_disk directory",
+        required=True))
     out: str = field(default=None, metadata=option("output: a directory, file:// URI or s3://bucket/prefix",
                                                    required=True))
     layers: str = field(default=None, metadata=option(
@@ -232,8 +234,9 @@ class WorkerOptions:
     def check_inputs(self) -> None:
         """`check()`, then that the dataset exists (the model is checked when its config is read)."""
         self.check()
-        if not self.data.is_file():
-            raise UsageError(f"--data {str(self.data)!r}: no such file")
+        from .inputs import dataset_files
+
+        dataset_files(self.data)  # a file or directory of a format inputs.py reads, else UsageError naming it
 
     def prepare_dirs(self) -> None:
         """Create the shard and status directories and prove they are writable."""

@@ -57,44 +57,26 @@ def model_bytes(model_dir: Path) -> int:
                if p.is_file() and (p.suffix == ".safetensors" or p.name.endswith(".bin")))
 
 
-def sample_records(path: Path, n: int) -> tuple[int, list]:
-    """(non-blank lines of the JSONL file, up to `n` of its records as `Record`/`Bad`): every one when the file has
-    no more than `n`, else one after each of `n` evenly spaced byte offsets (a large file is not parsed whole)."""
-    from .records import parse_line
+def readable_dataset(path: Path) -> int:
+    """The dataset's bytes, once its format is known and its first row reads (UsageError naming the problem)."""
+    from .inputs import data_bytes, rows
 
-    lines, size = 0, path.stat().st_size
-    with path.open("rb") as f:
-        while chunk := f.read(16 << 20):
-            lines += chunk.count(b"\n")
-        if size and not chunk_ends_with_newline(f, size):
-            lines += 1
-        if lines <= n:
-            f.seek(0)
-            picked = [parse_line(raw, i) for i, raw in enumerate(f, start=1) if raw.strip()]
-            return len(picked), picked
-        picked = []
-        for i in range(n):
-            f.seek(i * size // n)
-            if i:
-                f.readline()  # the rest of a line cut by the offset
-            raw = f.readline()
-            if raw.strip():
-                picked.append(parse_line(raw, 0))
-    return lines, picked
-
-
-def chunk_ends_with_newline(f, size: int) -> bool:
-    f.seek(size - 1)
-    return f.read(1) == b"\n"
+    try:
+        next(rows(path), None)
+        return data_bytes(path)
+    except OSError as exc:
+        raise UsageError(f"--data {str(path)!r}: not readable ({exc.strerror or exc})") from None
 
 
 def count_tokens(opts: WorkerOptions, sample: int) -> dict:
     """The dataset's samples (its lines), and its tokens: counted with the model's tokenizer and chat template
     (or, for `--synthetic`, as the synthetic worker counts them) on up to `sample` records spread evenly over the
     file, cut at --max-length, then scaled to the whole. Malformed records count as samples, not tokens."""
-    from .records import Bad
+    from .inputs import sample_rows
+    from .records import Bad, parse_line, parse_obj
 
-    samples, picks = sample_records(opts.data, sample)
+    samples, rows = sample_rows(opts.data, sample)
+    picks = [parse_line(raw, n) if isinstance(raw, bytes) else parse_obj(raw, n) for n, raw in rows]
     usable = [r for r in picks if not isinstance(r, Bad)]
     if opts.synthetic is not None:
         from .synthetic import estimate_tokens
@@ -166,14 +148,7 @@ def report(opts: WorkerOptions, probe: bool = False, sample_tokens: int = 0) -> 
                 "layers": parse_layer_spec(opts.layers, info.num_layers), "model_bytes": model_bytes(opts.model)}
 
     def dataset():
-        if not opts.data.is_file():
-            raise UsageError(f"--data {str(opts.data)!r}: no such file")
-        try:
-            with open(opts.data, "rb") as f:
-                f.read(1 << 16)
-        except OSError as exc:
-            raise UsageError(f"--data {str(opts.data)!r}: not readable ({exc.strerror or exc})") from None
-        found = {"data_bytes": opts.data.stat().st_size}
+        found = {"data_bytes": readable_dataset(opts.data)}
         if sample_tokens and "error" not in out.get("model", {}):  # the tokenizer is the model's
             found.update(count_tokens(opts, sample_tokens))
         return found
@@ -200,11 +175,7 @@ def preflight(opts: WorkerOptions, probe: bool = False, sample_tokens: int = 0) 
     opts.check_inputs()
     info = read_model_info(opts.model)
     layer_ids = parse_layer_spec(opts.layers, info.num_layers)
-    try:
-        with open(opts.data, "rb") as f:
-            f.read(1 << 16)
-    except OSError as exc:
-        raise UsageError(f"--data {str(opts.data)!r}: not readable ({exc.strerror or exc})") from None
+    size = readable_dataset(opts.data)
     if opts.upload is None:
         out = opts.out_dir
         try:
@@ -214,7 +185,7 @@ def preflight(opts: WorkerOptions, probe: bool = False, sample_tokens: int = 0) 
         except OSError as exc:
             raise UsageError(f"--out {str(out)!r}: not writable ({exc.strerror or exc})") from None
     found = {"model_type": info.model_type, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-             "layers": layer_ids, "data_bytes": opts.data.stat().st_size, "model_bytes": model_bytes(opts.model)}
+             "layers": layer_ids, "data_bytes": size, "model_bytes": model_bytes(opts.model)}
     if probe:
         found["output"] = probe_output(opts)
     if sample_tokens:

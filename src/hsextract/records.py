@@ -1,4 +1,5 @@
-"""Dataset records: JSONL lines -> chat or pre-tokenized samples with stable ids (no torch here)."""
+"""Dataset records: rows (JSONL lines, Parquet or Arrow rows: inputs.py) -> chat or pre-tokenized samples with
+stable ids (no torch here)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from .inputs import rows
 
 # ShareGPT speaker names and the chat-template roles they stand for.
 ROLE_ALIASES = {
@@ -52,15 +53,10 @@ def malformed_id(line: int) -> str:
 
 
 def iter_records(path: str | Path) -> Iterator[Record | Bad]:
-    """Yield every line of a JSONL dataset as a `Record` or a `Bad`, in file order (1-based lines)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--data {str(path)!r}: no such file")
-    with path.open("rb") as handle:
-        for line_no, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            yield parse_line(raw, line_no)
+    """Yield every row of a dataset (JSONL, compressed or not, Parquet, a `datasets` directory: inputs.py) as a
+    `Record` or a `Bad`, in file order (rows numbered from 1; a JSONL row by its line)."""
+    for row, raw in rows(Path(path)):
+        yield parse_line(raw, row) if isinstance(raw, bytes) else parse_obj(raw, row)
 
 
 def record_id(obj: dict) -> str:
@@ -72,17 +68,17 @@ def record_id(obj: dict) -> str:
 
 
 def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
-    """(sample id, line) of every non-blank line, exactly the ids `iter_records` gives, without validating."""
-    with Path(path).open("rb") as handle:
-        for line_no, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                yield malformed_id(line_no), line_no
-                continue
-            yield (record_id(obj) if isinstance(obj, dict) else malformed_id(line_no)), line_no
+    """(sample id, row) of every row, exactly the ids `iter_records` gives, without validating."""
+    for row, raw in rows(Path(path)):
+        if isinstance(raw, dict):
+            yield record_id(raw), row
+            continue
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            yield malformed_id(row), row
+            continue
+        yield (record_id(obj) if isinstance(obj, dict) else malformed_id(row)), row
 
 
 def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
@@ -93,6 +89,11 @@ def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
         return Bad(malformed_id(line_no), line_no, "malformed_json", str(exc)[:200])
     if not isinstance(obj, dict):
         return Bad(malformed_id(line_no), line_no, "invalid_record", f"a JSON {type(obj).__name__}, not an object")
+    return parse_obj(obj, line_no)
+
+
+def parse_obj(obj: dict, line_no: int) -> Record | Bad:
+    """One record (a JSONL line's object, an Arrow row) as a `Record`, or a `Bad` saying why it is not a sample."""
     sample_id = record_id(obj)
     try:
         return _to_record(obj, sample_id, line_no)
