@@ -130,3 +130,10 @@ def test_the_worker_runs_a_parquet_dataset_like_its_jsonl(tmp_path, tiny_model):
         done[name] = (written, skipped)
     assert done["jsonl"] == done["parquet-dir"] and len(done["jsonl"][0]) == len(set(
         r.id for r in iter_records(paths["jsonl"]) if not isinstance(r, Bad)))
+    # the orchestrator's reconcile reads the Parquet dataset the workers read: everything accounted for
+    from hsextract.store import LocalStore
+    from tasks.reconcile import dataset_ids, reconcile_output
+
+    report = reconcile_output(LocalStore(tmp_path / "out-parquet-dir"), dataset_ids(paths["parquet-dir"]), 2)
+    assert report.done + sum(report.skipped.values()) == report.expected == 45, report
+    assert not report.missing_ids and not report.duplicated and report.sealed, report
