@@ -18,7 +18,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import UsageError
@@ -66,14 +66,16 @@ def data_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in dataset_files(path)[1])
 
 
-def rows(path: Path) -> Iterator[tuple[int, bytes | dict]]:
+def rows(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[int, bytes | dict]]:
     """(row number from 1, the JSONL line or the Arrow row) of every row of the dataset at `path`; a JSONL row's
-    number is its line's (blank lines are numbered, not yielded)."""
+    number is its line's (blank lines are numbered, not yielded). `keep(id)`: Arrow rows whose own `id` it
+    refuses are not made Python objects at all (their id column is read alone); a JSONL line is yielded anyway
+    (its id is inside it), as is a row without an id of its own."""
     kind, files = dataset_files(path)
     if kind.startswith("jsonl"):
         yield from _jsonl_rows(files[0], kind)
     else:
-        yield from _arrow_rows(path, files, kind)
+        yield from _arrow_rows(path, files, kind, keep)
 
 
 def _open_text(path: Path, kind: str):
@@ -101,7 +103,9 @@ def _jsonl_rows(path: Path, kind: str) -> Iterator[tuple[int, bytes]]:
                          f"({type(exc).__name__}: {exc})") from None
 
 
-def _arrow_rows(root: Path, files: list[Path], kind: str) -> Iterator[tuple[int, dict]]:
+def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator[tuple[int, dict]]:
+    from .records import id_value
+
     try:
         import pyarrow.ipc as ipc
         import pyarrow.parquet as pq
@@ -128,14 +132,31 @@ def _arrow_rows(root: Path, files: list[Path], kind: str) -> Iterator[tuple[int,
                 raise UsageError(f"--data {str(root)!r}: {path.name} and {first[0].name} have different columns "
                                  f"({', '.join(f'{n}: {t}' for n, t in differ[:6])}): one schema across the files")
             for batch in batches:
-                for item in batch.to_pylist():
-                    row += 1
-                    yield row, _without_nulls(item)
+                if keep is None or "id" not in columns:
+                    for item in batch.to_pylist():
+                        row += 1
+                        yield row, _arrow_record(item)
+                    continue
+                # its own id kept, or none of its own (its content's hash is its id: records.py decides)
+                wanted = [i for i, v in enumerate(batch.column("id").to_pylist())
+                          if (found := id_value(v)) is None or keep(found)]
+                for i, item in zip(wanted, batch.take(wanted).to_pylist()):
+                    yield row + i + 1, _arrow_record(item)
+                row += batch.num_rows
         except UsageError:
             raise
         except Exception as exc:  # pyarrow's ArrowInvalid, OSError...: the file and the row reached
             raise UsageError(f"--data {str(root)!r}: {path.name} cannot be read past row {row} "
                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _arrow_record(item: dict) -> dict:
+    """An Arrow row as the record its JSONL line would be: its null fields left out. Deep only where it counts:
+    a record without an id is hashed whole (records.py reads nested nulls as absent anyway)."""
+    from .records import own_id
+
+    top = {k: v for k, v in item.items() if v is not None}
+    return top if own_id(top) is not None else _without_nulls(top)
 
 
 def _without_nulls(value):

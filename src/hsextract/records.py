@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,19 +52,35 @@ def malformed_id(line: int) -> str:
     return f"line-{line}"
 
 
-def iter_records(path: str | Path) -> Iterator[Record | Bad]:
+def iter_records(path: str | Path, keep: Callable[[str], bool] | None = None) -> Iterator[Record | Bad]:
     """Yield every row of a dataset (JSONL, compressed or not, Parquet, a `datasets` directory: inputs.py) as a
-    `Record` or a `Bad`, in file order (rows numbered from 1; a JSONL row by its line)."""
-    for row, raw in rows(Path(path)):
-        yield parse_line(raw, row) if isinstance(raw, bytes) else parse_obj(raw, row)
+    `Record` or a `Bad`, in file order (rows numbered from 1; a JSONL row by its line). `keep(sample id)`: only
+    the rows it keeps are validated and yielded (a shard's own: the others cost their id alone)."""
+    for row, raw in rows(Path(path), keep):
+        obj = _loaded(raw, row) if isinstance(raw, bytes) else raw
+        if isinstance(obj, Bad):
+            if keep is None or keep(obj.id):
+                yield obj
+        elif keep is None or keep(record_id(obj)):
+            yield parse_obj(obj, row)
+
+
+def own_id(obj: dict) -> str | None:
+    """The record's own `id` (a non-empty string or an integer), as a string; None when it has none."""
+    return id_value(obj.get("id"))
+
+
+def id_value(raw_id: object) -> str | None:
+    """An `id` field's value as a sample id: a non-empty string or an integer, as a string; else None."""
+    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
+        return str(raw_id)
+    return None
 
 
 def record_id(obj: dict) -> str:
     """The sample id of a parsed record: its `id` (string or integer), else a hash of its content."""
-    raw_id = obj.get("id")
-    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
-        return str(raw_id)
-    return content_id(obj)
+    found = own_id(obj)
+    return found if found is not None else content_id(obj)
 
 
 def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
@@ -83,13 +99,19 @@ def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
 
 def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
     """One JSONL line as a `Record`, or a `Bad` saying why it cannot be a sample."""
+    obj = _loaded(raw, line_no)
+    return obj if isinstance(obj, Bad) else parse_obj(obj, line_no)
+
+
+def _loaded(raw: bytes | str, line_no: int) -> dict | Bad:
+    """A JSONL line's object, or the `Bad` of a line that is not one."""
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return Bad(malformed_id(line_no), line_no, "malformed_json", str(exc)[:200])
     if not isinstance(obj, dict):
         return Bad(malformed_id(line_no), line_no, "invalid_record", f"a JSON {type(obj).__name__}, not an object")
-    return parse_obj(obj, line_no)
+    return obj
 
 
 def parse_obj(obj: dict, line_no: int) -> Record | Bad:
@@ -128,11 +150,15 @@ def _to_record(obj: dict, sample_id: str, line_no: int) -> Record:
 def _message(turn: object, index: int) -> dict:
     if not isinstance(turn, dict):
         raise _Invalid("invalid_record", f"message {index} is not an object")
-    speaker = turn.get("role", turn.get("from"))
+    speaker = turn.get("role")
+    if speaker is None:  # absent or null (an Arrow struct has every field of its schema)
+        speaker = turn.get("from")
     role = ROLE_ALIASES.get(str(speaker).lower()) if speaker is not None else None
     if role is None:
         raise _Invalid("invalid_record", f"message {index} has unknown role {speaker!r}")
-    content = turn.get("content", turn.get("value"))
+    content = turn.get("content")
+    if content is None:
+        content = turn.get("value")
     if isinstance(content, list):
         content = _join_parts(content, index)
     if not isinstance(content, str):

@@ -151,9 +151,8 @@ class Shard:
         state = scan(LocalStore(self.opts.out_dir))
         seen: set[str] = set()
         pending: list[Record | Bad] = []
-        for item in iter_records(self.opts.data):
-            if shard_of(item.id, self.opts.num_shards) != self.opts.shard:
-                continue
+        mine = self.opts.shard
+        for item in iter_records(self.opts.data, keep=lambda i: shard_of(i, self.opts.num_shards) == mine):
             if item.id in seen:
                 if (item.id, item.line) not in state.duplicates:
                     self.skip(item.id, "duplicate_id", "the same id appears earlier in the file", item.line)
