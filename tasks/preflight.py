@@ -169,7 +169,11 @@ def _worker_checks(host: Host, report: HostReport, bundle: Bundle, options: Work
                  timeout)
         host.put(body, creds, timeout, mode=0o600)
         args += ["--aws-credentials-file", creds]
-    env = f"AWS_DEFAULT_REGION={quote(access.region)} " if options.upload and access.region else ""
+    env = ""  # as a launch sets them (tasks/shards.py): the region, and the profile when there are no keys
+    if options.upload and access.region:
+        env += f"AWS_DEFAULT_REGION={quote(access.region)} "
+    if options.upload and creds is None and access.profile:
+        env += f"AWS_PROFILE={quote(access.profile)} "
     try:
         result = host.run(env + preflight_cmd(spec.workdir, bundle.sha256, spec.python, args), timeout)
     finally:
