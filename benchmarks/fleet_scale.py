@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import inspect
 import json
 import logging
 import os
@@ -66,7 +67,7 @@ class ApiCalls:
             original = getattr(cls, name)
             if getattr(original, "_counted", False):
                 return
-            if attr == "http" and cls is httpx.AsyncClient or attr == "events":
+            if inspect.iscoroutinefunction(original):
                 async def wrapped(self, *a, **k):
                     bump(attr)
                     return await original(self, *a, **k)

@@ -97,8 +97,7 @@ def preflight(
                                       sample_tokens if i == 0 else 0, benchmark_samples if benchmark else 0)
                for i, name in enumerate(names)}
     reports = {name: future.result() for name, future in futures.items()}
-    if (first := reports[names[0]]).checks.get("dataset") and "samples" not in first.facts.get("check", {}).get(
-            "dataset", {}):  # the first host could not count: the next one that can
+    if counted(reports[names[0]]) is None:  # the first host could not count the dataset: the next one that can
         for name in names[1:]:
             if reports[name].checks.get("dataset") and reports[name].checks["dataset"].status == "ok":
                 reports[name] = check_one(name, inventory, bundle, version, options, access, sample_tokens, 0)
@@ -123,14 +122,19 @@ def preflight(
     return Completed(message=f"preflight of run {run}: {len(reports)} host(s) ready", data=result)
 
 
+def counted(report: HostReport) -> dict | None:
+    """The dataset's samples and tokens as the host counted them; None when it did not."""
+    found = report.facts.get("check", {}).get("dataset", {})
+    return found if "samples" in found else None
+
+
 def make_plan(reports: dict[str, HostReport], options, inventory, num_shards: int | None, benchmark: bool) -> dict:
     """The plan's figures from the reports (the dataset's count, the model, the benchmark's rates), and each
     host's disk verdict against its share of the output."""
-    counted = next((r.facts["check"]["dataset"] for r in reports.values()
-                    if "samples" in r.facts.get("check", {}).get("dataset", {})), None)
+    count = next((c for r in reports.values() if (c := counted(r)) is not None), None)
     model = next((r.facts["check"]["model"] for r in reports.values()
                   if "error" not in r.facts.get("check", {}).get("model", {"error": 1})), None)
-    if counted is None or model is None:
+    if count is None or model is None:
         return {"error": "no host could read the model's config and count the dataset: no plan"}
     slots = len(inventory.slots)
     shards = num_shards or slots
@@ -138,8 +142,8 @@ def make_plan(reports: dict[str, HostReport], options, inventory, num_shards: in
     per_token = bytes_per_token(options, model["hidden_size"], len(model["layers"]), on_gpu)
     rates = sorted(r.facts["benchmark"]["tokens_per_s"] for r in reports.values() if "benchmark" in r.facts)
     rate = rates[len(rates) // 2] if rates else None
-    plan = plan_figures(counted["tokens"], counted["samples"], per_token, slots, rate, options, shards)
-    plan.update(exact=counted["exact"], counted=counted["counted"], sampled=counted["sampled"],
+    plan = plan_figures(count["tokens"], count["samples"], per_token, slots, rate, options, shards)
+    plan.update(exact=count["exact"], counted=count["counted"], sampled=count["sampled"],
                 rates={name: r.facts["benchmark"]["tokens_per_s"] for name, r in reports.items()
                        if "benchmark" in r.facts}, benchmark=benchmark)
     shard_bytes = plan["output_bytes"] / shards

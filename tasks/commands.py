@@ -122,26 +122,16 @@ def launch_cmd(control: str, bundle: str, gpu: int, argv: list[str], journal: st
 
 
 def probe_cmd(control: str, journal: str, log: bool = True) -> str:
-    """Everything supervise needs in one round trip, in sections (parsed by `parse_probe`); `log`: with the
-    worker log's tail."""
-    return (
-        f"cd {quote(control)} 2>/dev/null || {{ echo 'NO CONTROL DIR'; exit 0; }}; "
-        f"echo \"NOW $(date +%s.%N)\"; pid=$(cat pid 2>/dev/null); echo \"PID $pid\"; "
-        f"echo \"PIDSTART $(cat pid.start 2>/dev/null)\"; "
-        f"if [ -n \"$pid\" ] && [ -r /proc/$pid/stat ]; then "
-        f"echo \"STAT $(sed 's/.*) //' /proc/$pid/stat | cut -d' ' -f1,{PROC_START_FIELD})\"; fi; "
-        f"echo '---STARTED'; grep -m1 '^STARTED' worker.log 2>/dev/null; "
-        f"echo '---HEARTBEAT'; cat heartbeat.json 2>/dev/null; echo; "
-        f"echo '---EXIT'; cat exit.json 2>/dev/null; echo; "
-        f"echo '---JOURNAL'; tail -n 1 {quote(journal)} 2>/dev/null; echo"
-        + ("; echo '---LOG'; tail -c 3000 worker.log 2>/dev/null" if log else "")
-    )
+    """Everything supervise and a launch need of one shard in one round trip, in sections (parsed by
+    `parse_probe`): `_probe_body`'s, the STARTED line included; `log`: with the worker log's tail."""
+    return (f"now=$(date +%s.%N); {_probe_body(control, journal, started=True)}"
+            + ("; echo '---LOG'; tail -c 3000 worker.log 2>/dev/null" if log else ""))
 
 
-def _light_probe(control: str, journal: str, started: bool) -> str:
-    """`probe_cmd`'s sections (no log tail) with shell builtins where it forks a process per file: the clock is
-    read once per round trip (`$now`); the STARTED line only when `started` (a launch waiting for its proof);
-    the journal's last line only once there is an exit record (only a finished worker's is judged)."""
+def _probe_body(control: str, journal: str, started: bool) -> str:
+    """One shard's probe sections, with shell builtins rather than a process per file read: the clock comes
+    from `$now` (read once per round trip); the STARTED line only when `started` (a launch waiting for its
+    proof); the journal's last line only once there is an exit record (only a finished worker's is judged)."""
     return (
         f"cd {quote(control)} 2>/dev/null || {{ echo 'NO CONTROL DIR'; exit 0; }}; echo \"NOW $now\"; "
         f"pid=; {{ read -r pid < pid; }} 2>/dev/null; echo \"PID $pid\"; "
@@ -160,10 +150,10 @@ def probe_many_cmd(shards: list[tuple[str, str, str] | tuple[str, str, str, bool
     shard's with `probe_cmd`): `shards` is (key, control dir, journal[, launching]: then with its STARTED line);
     each shard's sections follow a line `===<nonce> <key>` (`nonce`: fresh per call, so nothing a worker wrote
     can pass for one; parsed by `parse_probe_many`). Cheap on the host: a handful of processes per round trip,
-    not a dozen per shard (see `_light_probe`)."""
+    not a dozen per shard (see `_probe_body`)."""
     parts = ["now=$(date +%s.%N)"]
     for key, control, journal, *launching in shards:
-        body = _light_probe(control, journal, bool(launching and launching[0]))
+        body = _probe_body(control, journal, bool(launching and launching[0]))
         parts.append(f"echo {quote(f'==={nonce} {key}')}; ( {body} )")
     return "; ".join(parts) + f"; echo {quote(f'==={nonce} END')}"
 

@@ -99,8 +99,9 @@ def test_preflight_names_bad_credentials_and_a_missing_gpu_on_every_host(prefect
     secret = f"hsx-secret-{uuid.uuid4().hex}"
     AwsCredentials(aws_access_key_id="AKIAWRONGWRONGWRONG0", aws_secret_access_key=secret, region_name="us-east-1",
                    aws_client_parameters={"endpoint_url": fleet["s3"]}).save("preflight-bad", overwrite=True)
-    hosts = write_inventory(fleet["base"] / "two.yaml", [
-        {**entry} for entry in __import__("yaml").safe_load(Path(fleet["hosts"]).read_text())["hosts"][:2]])
+    import yaml
+
+    hosts = write_inventory(fleet["base"] / "two.yaml", yaml.safe_load(Path(fleet["hosts"]).read_text())["hosts"][:2])
     before = settings.INITIAL_NO_AUTH_ACTION_COUNT
     settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
     try:
