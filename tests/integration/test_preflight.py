@@ -152,8 +152,11 @@ def test_extract_with_preflight_only_checks_and_launches_nothing(prefect_server,
                   layers="1,3", device="cpu", return_state=True)
     state = extract(hosts=str(good), preflight="only", run_name="pre-only", **common)
     assert state.is_completed() and "2 host(s) ready" in state.message, state.message
-    with get_client(sync_client=True) as client:
-        keys = {a.key for a in client.read_artifacts()}
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:  # filtered: an unfiltered read returns one page only
+        keys = {a.key for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["preflight-pre-only", "plan-pre-only"])))}
     assert {"preflight-pre-only", "plan-pre-only"} <= keys
     assert not list(fleet["base"].glob("w-*/runs/pre-only"))  # nothing launched
     bad = write_inventory(tmp_path / "bad.yaml", entries[:3])  # + nomodel
