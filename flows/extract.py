@@ -31,6 +31,7 @@ from tasks.reconcile import reconcile
 from tasks.rerun import completed, failed, incomplete, related_resources, unreconciled
 from tasks.monitor import HostPool
 from tasks.slots import run_shards
+from tasks.stage import dataset_here, settle_manifests
 
 __all__ = ["PARAMETERS", "ROOT", "extract"]
 
@@ -171,9 +172,15 @@ def extract(
                 board.set_state(shard, "capped", plan.failures[f"shard {shard}"].why)
             for shard, why in sorted(plan.stopped.items()):
                 board.set_state(shard, "stopped", why)
-            checks = replace(plan.options, shard=0, num_shards=plan.num_shards).argv()  # each host checks inputs
-            healthy, failures = (deploy_hosts(plan.inventory, plan.bundle, worker_version(), checks) if plan.todo
-                                 else (set(), {}))
+            checks = replace(plan.options, shard=0, num_shards=plan.num_shards)  # each host checks its inputs
+            healthy, failures, plan.staged = (
+                deploy_hosts(plan.inventory, plan.bundle, worker_version(), checks, plan.sources, plan.access)
+                if plan.todo else (set(), {}, {}))
+            if plan.staged:
+                plan.sources, odd = settle_manifests(plan.sources, plan.staged, plan.access, log)
+                for name, why in odd.items():
+                    healthy.discard(name)
+                    failures[f"host {name}"] = Failure(name, why)
             for failure in failures.values():
                 board.host_failed(failure.host, failure.why)
             d = plan.deadlines
@@ -204,7 +211,7 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
     if failures:
         return failed(plan, board, incomplete(plan, summary["shards"], failures, params, log))
     log.info("run %s: all %d requested shard(s) complete", plan.run, len(plan.requested))
-    data = params["data"]
+    data = dataset_here(params["data"], plan.sources, plan.access) if plan.reachable() else params["data"]
     if not (plan.reachable() and Path(data).exists()):
         log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the orchestrator "
                     "(file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)

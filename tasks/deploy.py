@@ -6,16 +6,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+
+from hsextract.options import WorkerOptions
 
 from .bundle import Bundle
 from .commands import bundle_tarball, check_bundle_cmd, env_check_cmd, preflight_cmd, quote, unpack_bundle_cmd
 from .failures import Failure, last_line, one_line
 from .hosts import Host, HostError, connect
 from .inventory import Inventory
+from .stage import Staged, StageFailed, on_host, stage_host
 from .transient import is_transient
 
 
@@ -50,6 +53,7 @@ class Deployed:
     environment: str
     skipped: bool
     seconds: float
+    staged: Staged | None = None   # the run's inputs staged there (tasks/stage.py), when it stages any
 
 
 def _proof(host: Host, bundle_sha256: str, python: str, expect_version: str, timeout: float, synthetic: bool):
@@ -137,15 +141,29 @@ def _retry_transient(task, task_run, state) -> bool:
     return False
 
 
+@task(name="stage", cache_policy=NO_CACHE, task_run_name="stage-{host_name}")
+def stage(host_name: str, host: Host, sources: dict, bundle_sha256: str, access) -> Staged:
+    """Task: the run's staged inputs (tasks/stage.py) onto the host, verified; StageFailed names the file."""
+    return stage_host(host, sources, bundle_sha256, access, get_run_logger())
+
+
 @task(name="deploy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_transient,
       task_run_name="deploy-{host_name}")
-def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str,
-           options: list[str] | None = None) -> Deployed:
-    """Task: `deploy_host` over a connection of its own, then `preflight_host` with the worker `options`
-    (when given); a transient failure is retried, a mistake in the inputs is not."""
+def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str, checks: WorkerOptions | None = None,
+           sources: dict | None = None, access=None) -> Deployed:
+    """Task: `deploy_host` over a connection of its own, then the staged inputs (a `stage` task: `sources`, with
+    the run's S3 `access`), then `preflight_host` with the worker options `checks` (when given) on the staged
+    paths; a transient failure is retried, a mistake in the inputs is not."""
     with connect(inventory.host(host_name), inventory) as host:
-        deployed = deploy_host(host, bundle, version, synthetic=options is not None and "--synthetic" in options)
-        found = preflight_host(host, bundle.sha256, options) if options is not None else {}
+        deployed = deploy_host(host, bundle, version, synthetic=checks is not None and checks.synthetic is not None)
+        staged = None
+        if sources:
+            try:
+                staged = stage(host_name, host, sources, bundle.sha256, access)
+            except StageFailed as exc:
+                raise DeployFailed(f"{exc}\n{exc.evidence}", transient=not exc.mistake, mistake=exc.mistake) from None
+            deployed = replace(deployed, staged=staged)
+        found = preflight_host(host, bundle.sha256, on_host(checks, staged).argv()) if checks is not None else {}
     get_run_logger().info("host %s: bundle %s %s, %s, %s (%.1fs)%s", host_name, bundle.sha256[:12],
                           "already in place" if deployed.skipped else "pushed", deployed.version,
                           deployed.environment, deployed.seconds,
@@ -154,19 +172,23 @@ def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str,
     return deployed
 
 
-def deploy_hosts(inventory: Inventory, bundle: Bundle, version: str,
-                 options: list[str] | None = None) -> tuple[set[str], dict[str, Failure]]:
-    """Deploy to every host concurrently (a `deploy` task each, checking a shard's worker `options` there):
-    (healthy host names, {"host X": Failure} for the others, whose shards then run on the healthy ones)."""
-    futures = {h.name: deploy.submit(h.name, inventory, bundle, version, options) for h in inventory.hosts}
-    healthy, failures = set(), {}
+def deploy_hosts(inventory: Inventory, bundle: Bundle, version: str, checks: WorkerOptions | None = None,
+                 sources: dict | None = None, access=None) -> tuple[set[str], dict[str, Failure], dict[str, Staged]]:
+    """Deploy to every host concurrently (a `deploy` task each: the bundle, the staged `sources`, a check of a
+    shard's worker options `checks` there): (healthy host names, {"host X": Failure} for the others, whose
+    shards then run on the healthy ones, {host: Staged} where inputs were staged)."""
+    futures = {h.name: deploy.submit(h.name, inventory, bundle, version, checks, sources, access)
+               for h in inventory.hosts}
+    healthy, failures, staged = set(), {}, {}
     for name, future in futures.items():
         future.wait()
         if future.state.is_completed():
             healthy.add(name)
+            if (got := future.result().staged) is not None:
+                staged[name] = got
         else:
             failures[f"host {name}"] = _failure(name, future.state)
-    return healthy, failures
+    return healthy, failures, staged
 
 
 def _failure(name: str, state) -> Failure:

@@ -8,6 +8,7 @@ which names the host and command and says whether a retry may help. `put` writes
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -81,6 +82,12 @@ class Host(ABC):
     def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
         """Write `data` to `path` on the host atomically (temp name, then rename)."""
 
+    @abstractmethod
+    def append_file(self, local: str | Path, path: str, offset: int, timeout: float) -> int:
+        """Write the bytes of the local file `local` from `offset` on into `path` on the host at the same offset
+        (a new file, 0640, when `offset` is 0; its directory must exist); the bytes sent. How a staged input
+        resumes where the last send stopped."""
+
     def close(self) -> None:
         """Drop the connection, if any (the next call opens a new one)."""
         pass
@@ -113,6 +120,18 @@ class LocalHost(Host):
             write_atomic(target, data, mode)
         except OSError as exc:
             raise HostError(self.name, f"put {path}", f"{exc.strerror or exc}", transient=False) from None
+
+    def append_file(self, local: str | Path, path: str, offset: int, timeout: float) -> int:
+        try:
+            with open(local, "rb") as src, open(path, "r+b" if offset else "wb") as dst:
+                os.fchmod(dst.fileno(), 0o640)
+                src.seek(offset)
+                dst.seek(offset)
+                dst.truncate()
+                shutil.copyfileobj(src, dst, 8 << 20)
+                return dst.tell() - offset
+        except OSError as exc:
+            raise HostError(self.name, f"send {local} to {path}", f"{exc.strerror or exc}", transient=False) from None
 
 
 @dataclass(frozen=True)
@@ -247,6 +266,23 @@ class SshHost(Host):
                 sftp.posix_rename(tmp, path)
 
         self._guarded(f"put {path}", self.timeouts.connect_s + timeout, go)
+
+    def append_file(self, local: str | Path, path: str, offset: int, timeout: float) -> int:
+        def go(conn):
+            with self._sftp_lock:
+                sftp = conn.sftp()
+                with open(local, "rb") as src, sftp.open(path, "r+b" if offset else "wb") as dst:
+                    sftp.chmod(path, 0o640)
+                    dst.set_pipelined(True)
+                    src.seek(offset)
+                    dst.seek(offset)
+                    sent = 0
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                        sent += len(chunk)
+                return sent
+
+        return self._guarded(f"send {local} to {path}", self.timeouts.connect_s + timeout, go)
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

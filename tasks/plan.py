@@ -24,6 +24,7 @@ from .credentials import S3Access, load_access
 from .failures import Failure
 from .inventory import Inventory, InventoryError, load_inventory, parse_inventory
 from .shards import Deadlines, ShardJob
+from .stage import Source, Staged, on_host, resolve_sources
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: what the code bundle pushed to the hosts is made of
 
@@ -67,6 +68,8 @@ class Plan:
     bundle: Bundle
     failures: dict[str, Failure] = field(default_factory=dict)  # "shard N": why, for the capped ones
     stopped: dict[int, str] = field(default_factory=dict)  # held: stopped on purpose (tasks/cancel.py), why
+    sources: dict[str, Source] = field(default_factory=dict)  # the inputs staged onto the hosts (tasks/stage.py)
+    staged: dict[str, Staged] = field(default_factory=dict)   # per host: where its copies are
 
     @property
     def slots(self) -> list[tuple[str, int]]:
@@ -81,7 +84,8 @@ class Plan:
     def job(self, slot: tuple[str, int], shard: int) -> ShardJob:
         """Shard `shard` on GPU slot `slot` (host name, GPU index)."""
         upload = self.options.upload is not None
-        return ShardJob.on(self.run, self.inventory.host(slot[0]), slot[1], self.bundle.sha256, self.options, shard,
+        options = on_host(self.options, self.staged.get(slot[0]))
+        return ShardJob.on(self.run, self.inventory.host(slot[0]), slot[1], self.bundle.sha256, options, shard,
                            self.num_shards, aws_credentials=self.aws_credentials if upload else None,
                            credentials_file=upload and self.access.has_keys,
                            env=(("AWS_DEFAULT_REGION", self.access.region),) if upload and self.access.region else ())
@@ -164,8 +168,9 @@ def plan_run(p: dict, log) -> Plan:
         attempts.reset(requested)
     capped = {s for s in requested if s not in already and attempts.get(s).failed_attempts >= p["max_attempts"]}
     todo = deque(s for s in requested if s not in already and s not in capped)
+    sources = resolve_sources(p, access) if todo else {}  # checked here: before any host is touched
     plan = Plan(run, num_shards, requested, already, capped, todo, inventory, store, attempts, options, deadlines(p),
-                access, p["aws_credentials"], build_bundle(ROOT))
+                access, p["aws_credentials"], build_bundle(ROOT), sources=sources)
     for s in sorted(capped):
         seen = attempts.get(s)
         plan.failures[f"shard {s}"] = Failure(

@@ -46,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the trainer's max length: samples are cut to it, then judged")
     export.add_argument("--verify", action="store_true", help="check every file's sha256 against the journal")
 
+    stage = sub.add_parser("stage", help="stage a source (a dataset or model in S3 or sent over SFTP) into this "
+                                         "host's content-addressed cache, verified against its manifest")
+    stage.add_argument("action", choices=("status", "fetch", "place"),
+                       help="status: bytes missing and free space; fetch: from S3 (ranged GETs); place: verify "
+                            "what was sent into the partial files and make it the blobs")
+    stage.add_argument("--cache", type=Path, required=True, help="the cache directory (<workdir>/inputs)")
+    stage.add_argument("--manifest", type=Path, required=True, help="the source's manifest (JSON)")
+    stage.add_argument("--host", default="this host", help="this host's name, for the messages")
+    stage.add_argument("--s3-endpoint", default=None)
+    stage.add_argument("--aws-credentials-file", type=Path, default=None,
+                       help="S3 keys for this process (a 0600 file, removed when it ends)")
+    stage.add_argument("--threads", type=int, default=8, help="ranged GETs in flight")
+
     tiny = sub.add_parser("make-tiny", help="build a tiny random Qwen3.5 hybrid model and a chat dataset")
     tiny.add_argument("--model", type=Path, required=True, help="directory to save the model and tokenizer in")
     tiny.add_argument("--data", type=Path, required=True, help="JSONL file to write")
@@ -139,6 +152,43 @@ def export_command(args) -> int:
     return 0
 
 
+def stage_command(args) -> int:
+    """`hsextract stage`: prints `STAGE {json}`; exit 2 naming the file when a source is not what it should be."""
+    from . import sources
+
+    if args.aws_credentials_file is not None:
+        for name in KEY_ENV:
+            os.environ.pop(name, None)
+        os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(args.aws_credentials_file)
+    try:
+        manifest = sources.Manifest.from_json(args.manifest.read_text(), str(args.manifest))
+        cache = sources.Cache(args.cache)
+        if args.action == "status":
+            out = {**cache.status(manifest), "offsets": cache.offsets(manifest)}
+        else:
+            if args.action == "fetch":
+                from .store import s3_client
+
+                fetched = cache.fetch(s3_client(args.s3_endpoint), manifest, args.host, args.threads)
+            else:
+                fetched = sources.Fetched()
+                for entry in manifest.files:
+                    if cache.has(entry, manifest.source):
+                        fetched.kept_files += 1
+                    fetched.digests[entry.path] = (cache.known(entry, manifest.source) if cache.has(
+                        entry, manifest.source) else cache.place(entry, manifest.source, args.host))
+            complete = manifest.with_digests(fetched.digests)
+            out = {**vars(fetched), "view": str(cache.view(complete)), "id": complete.id}
+    except (sources.StageError, OSError) as exc:
+        print(f"hsextract: {exc}", file=sys.stderr)
+        return USAGE_EXIT
+    finally:
+        if args.aws_credentials_file is not None:
+            args.aws_credentials_file.unlink(missing_ok=True)
+    print("STAGE " + json.dumps(out), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None, *, capture=None) -> int:
     """`hsextract` with `argv` (default: the process's); returns the exit code. `capture`: see `run_shard`."""
     args = build_parser().parse_args(argv)
@@ -164,6 +214,8 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
         return 0
     if args.command == "export":
         return export_command(args)
+    if args.command == "stage":
+        return stage_command(args)
     if args.command == "inspect":
         from .reader import describe_output
 

@@ -1,0 +1,276 @@
+"""Staging: a run's dataset and model brought to every host before any launch, each byte verified.
+
+`model` and `data` may name, besides a path every host already has:
+  - `s3://bucket/key` (one object) or `s3://bucket/prefix/` (every object under it): each host fetches what it
+    lacks itself, in parallel ranged GETs (`hsextract stage fetch`), with the run's S3 credentials (the
+    prefect-aws block of `aws_credentials`, as a 0600 file, never argv);
+  - `orchestrator:/path` (a file or directory on the machine running the flow): sent over SFTP
+    (`Host.append_file`, resuming a partial file where it stopped), then verified on the host
+    (`hsextract stage place`).
+Every file lands once in the host's content-addressed cache `<workdir>/inputs` (hsextract.sources), checked
+by size and sha256 against the source's manifest; the worker reads the source's view there. A host first
+says what it lacks and how much space it has: one without the space fails before a byte is sent. A file
+already there is not sent again; a partial one resumes.
+
+A source with no manifest yet (the first staging of an S3 source) is fetched all the same: every host hashes
+what it fetches, and once they agree (`settle_manifests`) the manifest is written next to the source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from hsextract.options import WorkerOptions
+from hsextract.sources import (Cache, Manifest, StageError, local_manifest, manifest_uri, s3_manifest,
+                               write_s3_manifest)
+
+from .commands import bundle_dir, quote
+from .credentials import S3Access
+from .hosts import Host
+
+ORCHESTRATOR = "orchestrator:"
+ROLES = ("model", "data")
+MIN_RATE = 10 << 20     # bytes/s a staging command is allowed at the least before it is declared hung
+BASE_TIMEOUT_S = 120.0
+
+
+class StageFailed(Exception):
+    """Staging on a host failed; `mistake`: the input is wrong (no retry helps), else it may be transient."""
+
+    def __init__(self, message: str, evidence: str = "", mistake: bool = False):
+        super().__init__(message)
+        self.evidence, self.mistake = evidence, mistake
+
+
+def is_staged(uri: str) -> bool:
+    """Whether an input is staged onto the hosts (an s3:// or orchestrator: source) or already there (a path)."""
+    return uri.startswith("s3://") or uri.startswith(ORCHESTRATOR)
+
+
+def cache_dir(workdir: str) -> str:
+    return f"{workdir.rstrip('/')}/inputs"
+
+
+@dataclass(frozen=True)
+class Source:
+    """An input to stage: which one (`role`), where from, and its manifest (all digests known, except at the
+    first staging of an S3 source)."""
+    role: str
+    uri: str
+    manifest: Manifest
+    local: str | None = None   # the orchestrator's path, for an orchestrator: source
+
+    @property
+    def from_s3(self) -> bool:
+        return self.local is None
+
+
+def resolve_source(role: str, uri: str, access: S3Access) -> Source:
+    """The source behind `uri`, checked here before any host is touched: it exists, its manifest matches it,
+    and a model has its config.json. ValueError naming the parameter and file else."""
+    try:
+        if uri.startswith(ORCHESTRATOR):
+            path = uri.removeprefix(ORCHESTRATOR)
+            if not path.startswith("/"):
+                raise StageError(f"{uri!r}: expected {ORCHESTRATOR}/absolute/path")
+            manifest = local_manifest(Path(path))
+            source = Source(role, uri, Manifest(uri, manifest.kind, manifest.files), path)
+        else:
+            source = Source(role, uri, s3_manifest(access.client(), uri))
+    except StageError as exc:
+        raise ValueError(f"{role}={uri!r}: {exc}") from None
+    if role == "model" and (source.manifest.kind != "dir" or
+                            "config.json" not in {e.path for e in source.manifest.files}):
+        raise ValueError(f"model={uri!r}: no config.json at its top (a model is a directory as "
+                         f"save_pretrained writes it: config.json, tokenizer, *.safetensors)")
+    return source
+
+
+def resolve_sources(params: dict, access: S3Access) -> dict[str, Source]:
+    """The staged inputs among the flow's `model` and `data` parameters, by role."""
+    return {role: resolve_source(role, params[role], access) for role in ROLES if is_staged(str(params[role]))}
+
+
+@dataclass
+class Staged:
+    """One host's staging: per role, the path its workers read, the files' digests, and what was sent."""
+    host: str
+    paths: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)
+    sent_bytes: int = 0
+    resumed_bytes: int = 0
+    kept_files: int = 0
+    seconds: float = 0.0
+
+
+def on_host(options: WorkerOptions, staged: Staged | None) -> WorkerOptions:
+    """`options` with the model and dataset a host's workers read: its staged copies, where the run stages them."""
+    if staged is None:
+        return options
+    return replace(options, **{role: Path(path) for role, path in staged.paths.items()})
+
+
+def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifest_path: str, extra: str = "") -> str:
+    d = bundle_dir(host.spec.workdir, bundle_sha256)
+    return (f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(host.spec.python)} -m hsextract "
+            f"stage {action} --cache {quote(cache_dir(host.spec.workdir))} --manifest {quote(manifest_path)} "
+            f"--host {quote(host.name)}{extra}")
+
+
+def _run_stage(host: Host, command: str, timeout: float, what: str) -> dict:
+    result = host.run(command, timeout)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("STAGE ")), None)
+    if result.ok and line is not None:
+        return json.loads(line[6:])
+    said = (result.stderr.strip().splitlines() or result.stdout.strip().splitlines() or
+            [f"exit {result.returncode}, nothing printed"])[-1].removeprefix("hsextract: ")
+    raise StageFailed(f"host {host.name}: staging {what}: {said}", result.describe(), mistake=result.returncode == 2)
+
+
+def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, access: S3Access, log=None) -> Staged:
+    """Stage every source on `host` (its bundle already deployed): the space first for all of them, then each
+    source's missing files, verified; the paths its workers read. StageFailed naming the host and file."""
+    started = time.monotonic()
+    staged = Staged(host.name)
+    cache = cache_dir(host.spec.workdir)
+    nonce = uuid.uuid4().hex[:12]
+    host.run(f"mkdir -p {quote(cache + '/manifests')} {quote(cache + '/partial')}", BASE_TIMEOUT_S)
+    manifests, status = {}, {}
+    for role, source in sources.items():  # what the host lacks, before a byte is sent
+        manifests[role] = f"{cache}/manifests/{source.manifest.id}-{nonce}.json"
+        host.put(source.manifest.to_json().encode(), manifests[role], BASE_TIMEOUT_S, mode=0o640)
+        status[role] = _run_stage(host, _stage_cmd(host, bundle_sha256, "status", manifests[role]), BASE_TIMEOUT_S,
+                                  source.uri)
+    need = sum(s["missing_bytes"] for s in status.values())
+    free = min(s["free_bytes"] for s in status.values()) if status else 0
+    if need > free:
+        raise StageFailed(f"host {host.name}: staging needs {need:,} bytes in {cache} ("
+                          + ", ".join(f"{r} {s['missing_bytes']:,}" for r, s in status.items())
+                          + f"), which has {free:,} free: nothing sent; free space there, or give it a workdir on a "
+                          f"larger disk", mistake=True)
+    try:
+        for role, source in sources.items():
+            timeout = BASE_TIMEOUT_S + status[role]["missing_bytes"] / MIN_RATE
+            if source.from_s3:
+                got = _fetch(host, source, bundle_sha256, manifests[role], access, timeout, nonce)
+            else:
+                got = _send(host, source, bundle_sha256, manifests[role], status[role]["offsets"], timeout)
+            staged.paths[role] = got["view"]
+            staged.digests[role] = got["digests"]
+            staged.sent_bytes += got["sent_bytes"]
+            staged.resumed_bytes += got["resumed_bytes"]
+            staged.kept_files += got["kept_files"]
+            if log is not None:
+                log.info("host %s: %s %s staged at %s: %s byte(s) sent, %s resumed, %d file(s) already there",
+                         host.name, role, source.uri, got["view"], f"{got['sent_bytes']:,}",
+                         f"{got['resumed_bytes']:,}", got["kept_files"])
+    finally:
+        host.run("rm -f " + " ".join(quote(m) for m in manifests.values()), BASE_TIMEOUT_S)
+    staged.seconds = round(time.monotonic() - started, 3)
+    return staged
+
+
+def _fetch(host: Host, source: Source, bundle_sha256: str, manifest: str, access: S3Access, timeout: float,
+           nonce: str) -> dict:
+    """`hsextract stage fetch` on the host: it GETs what it lacks from S3 with the run's credentials."""
+    extra, env, creds = "", "", None
+    if access.endpoint_url:
+        extra += f" --s3-endpoint {quote(access.endpoint_url)}"
+    if (body := access.credentials_file()) is not None:
+        creds = f"{cache_dir(host.spec.workdir)}/manifests/credentials-{nonce}"
+        host.put(body, creds, BASE_TIMEOUT_S, mode=0o600)
+        extra += f" --aws-credentials-file {quote(creds)}"
+    if access.region:
+        env += f"AWS_DEFAULT_REGION={quote(access.region)} "
+    if creds is None and access.profile:
+        env += f"AWS_PROFILE={quote(access.profile)} "
+    try:
+        return _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifest, extra), timeout, source.uri)
+    finally:
+        if creds is not None:
+            host.run(f"rm -f {quote(creds)}", BASE_TIMEOUT_S)
+
+
+def _send(host: Host, source: Source, bundle_sha256: str, manifest: str, offsets: dict[str, int],
+          timeout: float) -> dict:
+    """Send each file the host lacks over SFTP into its partial file (from where the last send stopped), then
+    `hsextract stage place` verifies them there."""
+    cache = Cache(cache_dir(host.spec.workdir))
+    root = Path(source.local)
+    sent = resumed = 0
+    for entry in source.manifest.files:
+        if entry.path not in offsets:
+            continue
+        offset = offsets[entry.path]
+        local = root if source.manifest.kind == "file" else root / entry.path
+        try:
+            if local.stat().st_size != entry.size:
+                raise StageFailed(f"host {host.name}: staging {source.uri}: {local} changed since its manifest was "
+                                  f"made ({local.stat().st_size:,} bytes, manifest {entry.size:,})", mistake=True)
+        except OSError as exc:
+            raise StageFailed(f"host {host.name}: staging {source.uri}: {local}: {exc.strerror or exc}",
+                              mistake=True) from None
+        if offset < entry.size:
+            sent += host.append_file(local, str(cache.partial(entry, source.manifest.source)), offset,
+                                     BASE_TIMEOUT_S + (entry.size - offset) / MIN_RATE)
+        resumed += offset
+    got = _run_stage(host, _stage_cmd(host, bundle_sha256, "place", manifest), timeout, source.uri)
+    return {**got, "sent_bytes": sent, "resumed_bytes": resumed}
+
+
+def settle_manifests(sources: dict[str, Source], staged: dict[str, Staged], access: S3Access,
+                     log) -> tuple[dict[str, Source], dict[str, str]]:
+    """After a staging: for each S3 source that had no manifest, the digests the hosts computed must agree; the
+    manifest is then written next to the source. Returns the sources (complete manifests) and {host: why} for
+    any host whose copy differs from the others'."""
+    odd: dict[str, str] = {}
+    out = dict(sources)
+    for role, source in sources.items():
+        if source.manifest.complete:
+            continue
+        seen = {h: tuple(sorted(s.digests[role].items())) for h, s in staged.items() if role in s.digests}
+        if not seen:
+            continue
+        (agreed, votes), = Counter(seen.values()).most_common(1)
+        for h, digests in seen.items():
+            if digests != agreed:
+                differ = sorted(p for p, d in digests if dict(agreed).get(p) != d)
+                odd[h] = (f"its copy of {source.uri} differs from {votes} other host(s)' in {differ[0]}"
+                          + (f" and {len(differ) - 1} more" if len(differ) > 1 else "") + " (a corrupt fetch?)")
+        manifest = source.manifest.with_digests(dict(agreed))
+        out[role] = Source(role, source.uri, manifest, source.local)
+        try:
+            where = write_s3_manifest(access.client(), manifest)
+            log.info("%s %s: manifest written to %s (%d file(s), digests agreed by %d host(s))", role, source.uri,
+                     where, len(manifest.files), votes)
+        except Exception as exc:  # a read-only source: the hosts' caches remember the digests anyway
+            log.warning("%s %s: manifest not written to %s (%s): the next staging computes the digests again",
+                        role, source.uri, manifest_uri(source.uri), exc)
+    return out, odd
+
+
+def orchestrator_cache() -> Path:
+    """The orchestrator's own cache of staged inputs (reconcile reads a staged dataset from it)."""
+    return Path(os.environ.get("HSEXTRACT_CACHE") or "~/.cache/hsextract").expanduser() / "inputs"
+
+
+def dataset_here(uri: str, sources: dict[str, Source], access: S3Access) -> str:
+    """A path on the orchestrator holding the dataset the workers read for `data=uri`: the path itself, the
+    orchestrator: file, or for s3:// a copy in `orchestrator_cache()`, verified against the same manifest."""
+    if not is_staged(uri):
+        return uri
+    source = sources.get("data") or resolve_source("data", uri, access)
+    if source.local is not None:
+        return source.local
+    cache = Cache(orchestrator_cache())
+    try:
+        fetched = cache.fetch(access.client(), source.manifest, "the orchestrator")
+        return str(cache.view(source.manifest.with_digests(fetched.digests)))
+    except StageError as exc:
+        raise ValueError(f"data={uri!r}: reading it for reconcile: {exc}") from None
