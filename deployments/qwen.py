@@ -3,8 +3,8 @@
     python -m deployments.qwen --model /models/Qwen3.6-27B --data /data/chats.jsonl \\
         --output s3://bucket/hidden/qwen36 --hosts gpu-fleet --aws-credentials hsextract-s3
 
-(`--model` and `--data` are paths on every host: the dataset is JSONL (plain, .gz, .zst), Parquet or a
-`datasets` directory there, not yet an s3:// URI.)
+(`--model` and `--data` are paths on every host, or `s3://...` / `orchestrator:/path` sources the flow stages
+onto them, verified by sha256; the dataset is JSONL (plain, .gz, .zst), Parquet or a `datasets` directory.)
 
 registers, on the Prefect server of PREFECT_API_URL, idempotently (run it again to change anything):
 - the process work pool (default `hsextract`); start its worker with `prefect worker start --pool hsextract`;

@@ -31,6 +31,7 @@ from tasks.bundle import build_bundle
 from tasks.credentials import load_access
 from tasks.plan import ROOT, resolve_inventory, run_name_of, worker_options, worker_version
 from tasks.preflight import (CHECKS, HostReport, bytes_per_token, check_host, gib, judge_disk, plan_figures)
+from tasks.stage import resolve_sources
 
 __all__ = ["PREFLIGHT_PARAMETERS", "preflight"]
 
@@ -44,10 +45,10 @@ MARK = {"ok": "ok", "warn": "warn", "fail": "**FAIL**", "skip": "-"}
 
 @task(name="preflight-host", cache_policy=NO_CACHE, task_run_name="preflight-{host_name}")
 def check_one(host_name: str, inventory, bundle, version: str, options, access, sample_tokens: int,
-              benchmark_samples: int) -> HostReport:
+              benchmark_samples: int, sources: dict | None = None) -> HostReport:
     """Task: every check on one host (tasks/preflight.py `check_host`); its report, never an exception."""
     report = check_host(inventory.host(host_name), inventory, bundle, version, options, access, sample_tokens,
-                        benchmark_samples)
+                        benchmark_samples, sources=sources)
     log = get_run_logger()
     for name, why in report.failures:
         log.error("host %s: %s: %s", host_name, name, why)
@@ -91,16 +92,17 @@ def preflight(
     inventory = resolve_inventory(hosts)
     access = load_access(aws_credentials)
     options = worker_options({**params, "heartbeat_interval_s": W.heartbeat_interval}, access)
+    sources = resolve_sources(params, access)  # an s3:// or orchestrator: input that is not there fails here
     bundle, version = build_bundle(ROOT), worker_version()
     names = [h.name for h in inventory.hosts]
     futures = {name: check_one.submit(name, inventory, bundle, version, options, access,
-                                      sample_tokens if i == 0 else 0, benchmark_samples if benchmark else 0)
+                                      sample_tokens if i == 0 else 0, benchmark_samples if benchmark else 0, sources)
                for i, name in enumerate(names)}
     reports = {name: future.result() for name, future in futures.items()}
     if counted(reports[names[0]]) is None:  # the first host could not count the dataset: the next one that can
         for name in names[1:]:
             if reports[name].checks.get("dataset") and reports[name].checks["dataset"].status == "ok":
-                reports[name] = check_one(name, inventory, bundle, version, options, access, sample_tokens, 0)
+                reports[name] = check_one(name, inventory, bundle, version, options, access, sample_tokens, 0, sources)
                 break
     plan = make_plan(reports, options, inventory, num_shards, benchmark)
     elapsed = time.monotonic() - began

@@ -6,6 +6,8 @@ once. The checks:
   ssh       login and host key (the connection itself)
   clock     the host's clock against the orchestrator's (the midpoint of one round trip)
   bundle    the code bundle in place (pushed when missing) and the worker's packages importable
+  inputs    an s3:// or orchestrator: model or dataset staged into the host's cache (tasks/stage.py), verified:
+            the run then finds it in place; "skip" when both are paths on the hosts
   gpus      every GPU the inventory lists visible (`nvidia-smi`), with free memory for the model's layers
   model     config.json readable and parsed, the layers asked for in it, its weight files' size
   dataset   readable; on the first host also its samples and tokens (sampled when large)
@@ -34,6 +36,7 @@ from .deploy import DeployFailed, deploy_host
 from .failures import last_line, one_line
 from .hosts import Host, HostError, connect
 from .inventory import HostSpec, Inventory
+from .stage import StageFailed, on_host, stage_host
 
 #: a host's clock off by more than this fails (S3 refuses requests signed 15 minutes off; the journals' and
 #: heartbeats' times would not line up with the orchestrator's); by more than WARN_SKEW_S, a warning
@@ -45,7 +48,7 @@ WARN_SKEW_S = 2.0
 ACTIVATION_FACTOR = 24
 CUDA_CONTEXT_BYTES = 1 << 30
 #: the order of a report's checks (the table's columns)
-CHECKS = ("ssh", "clock", "bundle", "gpus", "model", "dataset", "output", "disk", "benchmark")
+CHECKS = ("ssh", "clock", "bundle", "inputs", "gpus", "model", "dataset", "output", "disk", "benchmark")
 
 
 @dataclass
@@ -100,13 +103,14 @@ def gpu_need(found: dict, options: WorkerOptions) -> int:
 
 def check_host(spec: HostSpec, inventory: Inventory, bundle: Bundle, version: str, options: WorkerOptions,
                access: S3Access, sample_tokens: int = 0, benchmark_samples: int = 0,
-               timeout: float = 120.0) -> HostReport:
-    """Every check on host `spec` (see the module's docstring); never raises."""
+               timeout: float = 120.0, sources: dict | None = None) -> HostReport:
+    """Every check on host `spec` (see the module's docstring), `sources` staged (tasks/stage.py); never raises."""
     report = HostReport(spec.name)
     started = time.monotonic()
     try:
         with connect(spec, inventory) as host:
-            _checks(host, report, bundle, version, options, access, sample_tokens, benchmark_samples, timeout)
+            _checks(host, report, bundle, version, options, access, sample_tokens, benchmark_samples, timeout,
+                    sources or {})
     except HostError as exc:  # the connection, or a command that lost it: what was not judged says so
         first = next((name for name in CHECKS if name not in report.checks), None)
         if first is not None:
@@ -119,7 +123,7 @@ def check_host(spec: HostSpec, inventory: Inventory, bundle: Bundle, version: st
 
 
 def _checks(host: Host, report: HostReport, bundle: Bundle, version: str, options: WorkerOptions, access: S3Access,
-            sample_tokens: int, benchmark_samples: int, timeout: float) -> None:
+            sample_tokens: int, benchmark_samples: int, timeout: float, sources: dict) -> None:
     spec = host.spec
     local_out = None if options.upload else str(options.out_dir)
     sent = time.time()
@@ -148,6 +152,17 @@ def _checks(host: Host, report: HostReport, bundle: Bundle, version: str, option
     except DeployFailed as exc:
         report.set("bundle", "fail", str(exc).removeprefix(f"host {spec.name}: "))
         return
+    if sources:
+        try:
+            staged = stage_host(host, sources, bundle.sha256, access)
+        except StageFailed as exc:
+            report.set("inputs", "fail", str(exc).removeprefix(f"host {spec.name}: "))
+            return
+        options = on_host(options, staged)
+        report.set("inputs", "ok", f"{', '.join(sources)} staged and verified: {gib(staged.sent_bytes)} sent, "
+                                   f"{gib(staged.resumed_bytes)} resumed, {staged.kept_files} file(s) already there")
+    else:
+        report.set("inputs", "skip", "model and dataset are paths on the hosts: nothing to stage")
     found = _worker_checks(host, report, bundle, options, access, sample_tokens, timeout)
     _gpu_check(report, options, found, spec.gpus)
     if benchmark_samples and found and report.checks["dataset"].status == "ok":

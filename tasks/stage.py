@@ -18,8 +18,10 @@ what it fetches, and once they agree (`settle_manifests`) the manifest is writte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -32,7 +34,7 @@ from hsextract.sources import (Cache, Manifest, StageError, local_manifest, mani
 
 from .commands import bundle_dir, quote
 from .credentials import S3Access
-from .hosts import Host
+from .hosts import Host, SshHost
 
 ORCHESTRATOR = "orchestrator:"
 ROLES = ("model", "data")
@@ -116,14 +118,14 @@ def on_host(options: WorkerOptions, staged: Staged | None) -> WorkerOptions:
     return replace(options, **{role: Path(path) for role, path in staged.paths.items()})
 
 
-def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifest_path: str, extra: str = "") -> str:
+def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifests: list[str], extra: str = "") -> str:
     d = bundle_dir(host.spec.workdir, bundle_sha256)
     return (f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(host.spec.python)} -m hsextract "
-            f"stage {action} --cache {quote(cache_dir(host.spec.workdir))} --manifest {quote(manifest_path)} "
-            f"--host {quote(host.name)}{extra}")
+            f"stage {action} --cache {quote(cache_dir(host.spec.workdir))} "
+            + " ".join(f"--manifest {quote(m)}" for m in manifests) + f" --host {quote(host.name)}{extra}")
 
 
-def _run_stage(host: Host, command: str, timeout: float, what: str) -> dict:
+def _run_stage(host: Host, command: str, timeout: float, what: str) -> list[dict]:
     result = host.run(command, timeout)
     line = next((l for l in result.stdout.splitlines() if l.startswith("STAGE ")), None)
     if result.ok and line is not None:
@@ -133,53 +135,61 @@ def _run_stage(host: Host, command: str, timeout: float, what: str) -> dict:
     raise StageFailed(f"host {host.name}: staging {what}: {said}", result.describe(), mistake=result.returncode == 2)
 
 
-def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, access: S3Access, log=None) -> Staged:
-    """Stage every source on `host` (its bundle already deployed): the space first for all of them, then each
-    source's missing files, verified; the paths its workers read. StageFailed naming the host and file."""
+def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, access: S3Access, log=None,
+               threads: int = 8, part_mib: int = 16) -> Staged:
+    """Stage every source on `host` (its bundle already deployed): the space first for all of them, then the
+    missing files (from S3 in one `hsextract stage fetch` for all S3 sources; from the orchestrator over SFTP,
+    then one `hsextract stage place`), each verified; the paths its workers read. StageFailed naming the host
+    and file. From S3, `threads` ranged GETs of `part_mib` MiB each are in flight per host."""
     started = time.monotonic()
     staged = Staged(host.name)
     cache = cache_dir(host.spec.workdir)
     nonce = uuid.uuid4().hex[:12]
+    roles = list(sources)
     host.run(f"mkdir -p {quote(cache + '/manifests')} {quote(cache + '/partial')}", BASE_TIMEOUT_S)
-    manifests, status = {}, {}
-    for role, source in sources.items():  # what the host lacks, before a byte is sent
-        manifests[role] = f"{cache}/manifests/{source.manifest.id}-{nonce}.json"
-        host.put(source.manifest.to_json().encode(), manifests[role], BASE_TIMEOUT_S, mode=0o640)
-        status[role] = _run_stage(host, _stage_cmd(host, bundle_sha256, "status", manifests[role]), BASE_TIMEOUT_S,
-                                  source.uri)
-    need = sum(s["missing_bytes"] for s in status.values())
-    free = min(s["free_bytes"] for s in status.values()) if status else 0
-    if need > free:
-        raise StageFailed(f"host {host.name}: staging needs {need:,} bytes in {cache} ("
-                          + ", ".join(f"{r} {s['missing_bytes']:,}" for r, s in status.items())
-                          + f"), which has {free:,} free: nothing sent; free space there, or give it a workdir on a "
-                          f"larger disk", mistake=True)
+    manifests = {role: f"{cache}/manifests/{sources[role].manifest.id}-{nonce}.json" for role in roles}
     try:
-        for role, source in sources.items():
-            timeout = BASE_TIMEOUT_S + status[role]["missing_bytes"] / MIN_RATE
-            if source.from_s3:
-                got = _fetch(host, source, bundle_sha256, manifests[role], access, timeout, nonce)
-            else:
-                got = _send(host, source, bundle_sha256, manifests[role], status[role]["offsets"], timeout)
-            staged.paths[role] = got["view"]
-            staged.digests[role] = got["digests"]
-            staged.sent_bytes += got["sent_bytes"]
-            staged.resumed_bytes += got["resumed_bytes"]
-            staged.kept_files += got["kept_files"]
-            if log is not None:
-                log.info("host %s: %s %s staged at %s: %s byte(s) sent, %s resumed, %d file(s) already there",
-                         host.name, role, source.uri, got["view"], f"{got['sent_bytes']:,}",
-                         f"{got['resumed_bytes']:,}", got["kept_files"])
+        for role in roles:
+            host.put(sources[role].manifest.to_json().encode(), manifests[role], BASE_TIMEOUT_S, mode=0o640)
+        what = " and ".join(sources[r].uri for r in roles)
+        status = dict(zip(roles, _run_stage(host, _stage_cmd(host, bundle_sha256, "status", list(manifests.values())),
+                                            BASE_TIMEOUT_S, what)))  # what the host lacks, before a byte is sent
+        need = sum(s["missing_bytes"] for s in status.values())
+        free = min(s["free_bytes"] for s in status.values()) if status else 0
+        if need > free:
+            raise StageFailed(f"host {host.name}: staging needs {need:,} bytes in {cache} ("
+                              + ", ".join(f"{r} {s['missing_bytes']:,}" for r, s in status.items())
+                              + f"), which has {free:,} free: nothing sent; free space there, or give it a workdir "
+                              f"on a larger disk", mistake=True)
+        got = {}
+        if s3 := [r for r in roles if sources[r].from_s3]:
+            timeout = BASE_TIMEOUT_S + sum(status[r]["missing_bytes"] for r in s3) / MIN_RATE
+            got.update(zip(s3, _fetch(host, [sources[r] for r in s3], bundle_sha256, [manifests[r] for r in s3],
+                                      access, timeout, nonce, f" --threads {int(threads)} --part-mib {int(part_mib)}")))
+        if sent := [r for r in roles if not sources[r].from_s3]:
+            got.update(_send(host, {r: sources[r] for r in sent}, bundle_sha256, {r: manifests[r] for r in sent},
+                             {r: status[r]["offsets"] for r in sent}))
     finally:
         host.run("rm -f " + " ".join(quote(m) for m in manifests.values()), BASE_TIMEOUT_S)
+    for role in roles:
+        one = got[role]
+        staged.paths[role] = one["view"]
+        staged.digests[role] = one["digests"]
+        staged.sent_bytes += one["sent_bytes"]
+        staged.resumed_bytes += one["resumed_bytes"]
+        staged.kept_files += one["kept_files"]
+        if log is not None:
+            log.info("host %s: %s %s staged at %s: %s byte(s) sent, %s resumed, %d file(s) already there",
+                     host.name, role, sources[role].uri, one["view"], f"{one['sent_bytes']:,}",
+                     f"{one['resumed_bytes']:,}", one["kept_files"])
     staged.seconds = round(time.monotonic() - started, 3)
     return staged
 
 
-def _fetch(host: Host, source: Source, bundle_sha256: str, manifest: str, access: S3Access, timeout: float,
-           nonce: str) -> dict:
+def _fetch(host: Host, sources: list[Source], bundle_sha256: str, manifests: list[str], access: S3Access,
+           timeout: float, nonce: str, extra: str = "") -> list[dict]:
     """`hsextract stage fetch` on the host: it GETs what it lacks from S3 with the run's credentials."""
-    extra, env, creds = "", "", None
+    env, creds = "", None
     if access.endpoint_url:
         extra += f" --s3-endpoint {quote(access.endpoint_url)}"
     if (body := access.credentials_file()) is not None:
@@ -191,37 +201,83 @@ def _fetch(host: Host, source: Source, bundle_sha256: str, manifest: str, access
     if creds is None and access.profile:
         env += f"AWS_PROFILE={quote(access.profile)} "
     try:
-        return _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifest, extra), timeout, source.uri)
+        return _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifests, extra), timeout,
+                          " and ".join(s.uri for s in sources))
     finally:
         if creds is not None:
             host.run(f"rm -f {quote(creds)}", BASE_TIMEOUT_S)
 
 
-def _send(host: Host, source: Source, bundle_sha256: str, manifest: str, offsets: dict[str, int],
-          timeout: float) -> dict:
+def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests: dict[str, str],
+          offsets: dict[str, dict[str, int]]) -> dict[str, dict]:
     """Send each file the host lacks over SFTP into its partial file (from where the last send stopped), then
-    `hsextract stage place` verifies them there."""
+    one `hsextract stage place` verifies them there."""
     cache = Cache(cache_dir(host.spec.workdir))
-    root = Path(source.local)
-    sent = resumed = 0
-    for entry in source.manifest.files:
-        if entry.path not in offsets:
-            continue
-        offset = offsets[entry.path]
-        local = root if source.manifest.kind == "file" else root / entry.path
-        try:
-            if local.stat().st_size != entry.size:
+    sent, resumed, total, files = {}, {}, 0, []
+    for role, source in sources.items():
+        root = Path(source.local)
+        sent[role] = resumed[role] = 0
+        for entry in source.manifest.files:
+            if entry.path not in offsets[role]:
+                continue
+            offset = offsets[role][entry.path]
+            local = root if source.manifest.kind == "file" else root / entry.path
+            try:
+                size = local.stat().st_size
+            except OSError as exc:
+                raise StageFailed(f"host {host.name}: staging {source.uri}: {local}: {exc.strerror or exc}",
+                                  mistake=True) from None
+            if size != entry.size:
                 raise StageFailed(f"host {host.name}: staging {source.uri}: {local} changed since its manifest was "
-                                  f"made ({local.stat().st_size:,} bytes, manifest {entry.size:,})", mistake=True)
-        except OSError as exc:
-            raise StageFailed(f"host {host.name}: staging {source.uri}: {local}: {exc.strerror or exc}",
-                              mistake=True) from None
-        if offset < entry.size:
-            sent += host.append_file(local, str(cache.partial(entry, source.manifest.source)), offset,
-                                     BASE_TIMEOUT_S + (entry.size - offset) / MIN_RATE)
-        resumed += offset
-    got = _run_stage(host, _stage_cmd(host, bundle_sha256, "place", manifest), timeout, source.uri)
-    return {**got, "sent_bytes": sent, "resumed_bytes": resumed}
+                                  f"made ({size:,} bytes, manifest {entry.size:,})", mistake=True)
+            if offset < entry.size:
+                files.append((local, str(cache.partial(entry, source.manifest.source)), offset))
+                sent[role] += entry.size - offset
+            resumed[role] += offset
+            total += entry.size
+    what = " and ".join(s.uri for s in sources.values())
+    timeout = BASE_TIMEOUT_S + total / MIN_RATE
+    if not files:
+        placed = _run_stage(host, _stage_cmd(host, bundle_sha256, "place", list(manifests.values())), timeout, what)
+    else:  # the host hashes each file as it arrives (`place --follow`) while one SFTP session sends them all
+        nonce = uuid.uuid4().hex[:12]
+        abort = f"{cache.root}/partial/{nonce}.abort"
+        command = _stage_cmd(host, bundle_sha256, "place", list(manifests.values()), f" --follow {nonce}")
+        box: dict = {}
+
+        def follow():
+            try:
+                with _side(host) as other:
+                    box["placed"] = _run_stage(other, command, timeout, what)
+            except BaseException as exc:  # re-raised below
+                box["error"] = exc
+
+        follower = threading.Thread(target=follow, daemon=True, name=f"stage-follow-{host.name}")
+        follower.start()
+        try:
+            host.append_files(files, BASE_TIMEOUT_S + sum(sent.values()) / MIN_RATE)
+        except BaseException:
+            host.run(f"touch {quote(abort)}", BASE_TIMEOUT_S)  # the follower stops at once
+            raise
+        finally:
+            follower.join()
+            host.run(f"rm -f {quote(abort)}", BASE_TIMEOUT_S)
+        if "error" in box:
+            raise box["error"]
+        placed = box["placed"]
+    return {role: {**one, "sent_bytes": sent[role], "resumed_bytes": resumed[role]}
+            for role, one in zip(sources, placed)}
+
+
+@contextlib.contextmanager
+def _side(host: Host):
+    """A second way to run commands on `host` while a transfer holds the first: its own SSH connection (a
+    host's connection may allow one command at a time), or the local host itself."""
+    if isinstance(host, SshHost):
+        with SshHost(host.spec, host.inventory, host.timeouts) as other:
+            yield other
+    else:
+        yield host
 
 
 def settle_manifests(sources: dict[str, Source], staged: dict[str, Staged], access: S3Access,
@@ -270,7 +326,7 @@ def dataset_here(uri: str, sources: dict[str, Source], access: S3Access) -> str:
         return source.local
     cache = Cache(orchestrator_cache())
     try:
-        fetched = cache.fetch(access.client(), source.manifest, "the orchestrator")
+        fetched, = cache.fetch(access.client(), [source.manifest], "the orchestrator")
         return str(cache.view(source.manifest.with_digests(fetched.digests)))
     except StageError as exc:
         raise ValueError(f"data={uri!r}: reading it for reconcile: {exc}") from None

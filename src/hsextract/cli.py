@@ -52,12 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="status: bytes missing and free space; fetch: from S3 (ranged GETs); place: verify "
                             "what was sent into the partial files and make it the blobs")
     stage.add_argument("--cache", type=Path, required=True, help="the cache directory (<workdir>/inputs)")
-    stage.add_argument("--manifest", type=Path, required=True, help="the source's manifest (JSON)")
+    stage.add_argument("--manifest", type=Path, required=True, action="append",
+                       help="a source's manifest (JSON); one per source, repeated")
     stage.add_argument("--host", default="this host", help="this host's name, for the messages")
     stage.add_argument("--s3-endpoint", default=None)
     stage.add_argument("--aws-credentials-file", type=Path, default=None,
                        help="S3 keys for this process (a 0600 file, removed when it ends)")
     stage.add_argument("--threads", type=int, default=8, help="ranged GETs in flight")
+    stage.add_argument("--part-mib", type=int, default=16, help="bytes per ranged GET, in MiB")
+    stage.add_argument("--follow", metavar="NONCE", default=None,
+                       help="place: hash the files while they arrive (until partial/NONCE.abort appears)")
 
     tiny = sub.add_parser("make-tiny", help="build a tiny random Qwen3.5 hybrid model and a chat dataset")
     tiny.add_argument("--model", type=Path, required=True, help="directory to save the model and tokenizer in")
@@ -161,24 +165,24 @@ def stage_command(args) -> int:
             os.environ.pop(name, None)
         os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(args.aws_credentials_file)
     try:
-        manifest = sources.Manifest.from_json(args.manifest.read_text(), str(args.manifest))
+        manifests = [sources.Manifest.from_json(path.read_text(), str(path)) for path in args.manifest]
         cache = sources.Cache(args.cache)
         if args.action == "status":
-            out = {**cache.status(manifest), "offsets": cache.offsets(manifest)}
+            out = [{**cache.status(m), "offsets": cache.offsets(m)} for m in manifests]
         else:
             if args.action == "fetch":
                 from .store import s3_client
 
-                fetched = cache.fetch(s3_client(args.s3_endpoint), manifest, args.host, args.threads)
+                fetched = cache.fetch(s3_client(args.s3_endpoint), manifests, args.host, args.threads,
+                                      args.part_mib << 20)
+            elif args.follow:
+                fetched = cache.follow(manifests, args.host, cache.root / "partial" / f"{args.follow}.abort")
             else:
-                fetched = sources.Fetched()
-                for entry in manifest.files:
-                    if cache.has(entry, manifest.source):
-                        fetched.kept_files += 1
-                    fetched.digests[entry.path] = (cache.known(entry, manifest.source) if cache.has(
-                        entry, manifest.source) else cache.place(entry, manifest.source, args.host))
-            complete = manifest.with_digests(fetched.digests)
-            out = {**vars(fetched), "view": str(cache.view(complete)), "id": complete.id}
+                fetched = [cache.place_all(m, args.host) for m in manifests]
+            out = []
+            for manifest, got in zip(manifests, fetched):
+                complete = manifest.with_digests(got.digests)
+                out.append({**vars(got), "view": str(cache.view(complete)), "id": complete.id})
     except (sources.StageError, OSError) as exc:
         print(f"hsextract: {exc}", file=sys.stderr)
         return USAGE_EXIT

@@ -253,6 +253,18 @@ def s3_manifest(client, uri: str) -> Manifest:
 # ------------------------------------------------------------------------------------------------- the cache
 
 
+@dataclass(eq=False)
+class _Fetch:
+    """One file on its way from S3 into a cache."""
+    entry: Entry
+    source: str
+    bucket: str
+    key: str
+    part: Path
+    done: "Fetched"
+    hash: object = None
+
+
 @dataclass
 class Fetched:
     """What staging one source into a cache did."""
@@ -311,14 +323,6 @@ class Cache:
         return {"missing_bytes": missing, "partial_bytes": partial, "present_bytes": present,
                 "free_bytes": st.f_bavail * st.f_frsize, "cache": str(self.root)}
 
-    def check_space(self, manifest: Manifest, host: str = "this host") -> dict:
-        """`status`, or StageError naming the bytes needed when they do not fit (before a byte is sent)."""
-        s = self.status(manifest)
-        if s["missing_bytes"] > s["free_bytes"]:
-            raise StageError(f"{host}: staging {manifest.source} needs {s['missing_bytes']:,} more bytes in "
-                             f"{self.root}, which has {s['free_bytes']:,} free")
-        return s
-
     def place(self, entry: Entry, source: str, host: str = "this host") -> str:
         """Verify the complete partial file of `entry` (size, and digest where the manifest has one), make it the
         blob; its digest. A wrong one is removed (the next staging fetches it again) and named."""
@@ -328,6 +332,64 @@ class Cache:
             raise StageError(f"{host}: {source}: {entry.path}: {size:,} bytes staged, {entry.size:,} expected")
         sha = sha256_of(part).hexdigest()
         return self._place(part, entry, source, sha, host)
+
+    def place_all(self, manifest: Manifest, host: str = "this host") -> Fetched:
+        """`place` every file of `manifest` that is not a blob yet (sent into its partial file)."""
+        done = Fetched()
+        for entry in manifest.files:
+            if self.has(entry, manifest.source):
+                done.kept_files += 1
+                done.digests[entry.path] = self.known(entry, manifest.source)
+            else:
+                done.digests[entry.path] = self.place(entry, manifest.source, host)
+        return done
+
+    def follow(self, manifests: list[Manifest], host: str = "this host", abort: Path | None = None,
+               stall_s: float = 120.0, poll_s: float = 0.02) -> list[Fetched]:
+        """`place_all` while the files are still arriving (sent into their partial files, in manifest order):
+        each file is hashed as it grows, so the digest is ready when its last byte lands. StageError when
+        `abort` appears (the sender failed) or no byte arrives for `stall_s`."""
+        results = []
+        buf = bytearray(_READ)
+        view = memoryview(buf)
+        for manifest in manifests:
+            done = Fetched()
+            results.append(done)
+            for entry in manifest.files:
+                if self.has(entry, manifest.source):
+                    done.kept_files += 1
+                    done.digests[entry.path] = self.known(entry, manifest.source)
+                    continue
+                part = self.partial(entry, manifest.source)
+                where = f"{host}: {manifest.source}: {entry.path}"
+                h, pos, last, f = hashlib.sha256(), 0, time.monotonic(), None
+                try:
+                    while pos < entry.size:
+                        if abort is not None and abort.exists():
+                            raise StageError(f"{where}: the send stopped at {pos:,} of {entry.size:,} bytes")
+                        if f is None:
+                            try:
+                                f = open(part, "rb", buffering=0)
+                            except FileNotFoundError:
+                                pass
+                        n = f.readinto(view[:min(_READ, entry.size - pos)]) if f is not None else 0
+                        if n:
+                            h.update(view[:n])
+                            pos += n
+                            last = time.monotonic()
+                        elif time.monotonic() - last > stall_s:
+                            raise StageError(f"{where}: no byte arrived for {stall_s:.0f}s ({pos:,} of "
+                                             f"{entry.size:,} bytes in {part})")
+                        else:
+                            time.sleep(poll_s)
+                finally:
+                    if f is not None:
+                        f.close()
+                size = part.stat().st_size
+                if size != entry.size:
+                    raise StageError(f"{where}: {size:,} bytes staged, {entry.size:,} expected")
+                done.digests[entry.path] = self._place(part, entry, manifest.source, h.hexdigest(), host)
+        return results
 
     def _place(self, part: Path, entry: Entry, source: str, sha: str, host: str) -> str:
         if entry.sha256 and sha != entry.sha256:
@@ -372,93 +434,114 @@ class Cache:
 
     # ------------------------------------------------------------------------------------------- fetch from S3
 
-    def fetch(self, client, manifest: Manifest, host: str = "this host", threads: int = THREADS,
-              part_bytes: int = PART_BYTES) -> Fetched:
-        """Stage every file of an S3 source here (what is already here is kept); the digests of all of them."""
+    def fetch(self, client, manifests: list[Manifest], host: str = "this host", threads: int = THREADS,
+              part_bytes: int = PART_BYTES) -> list[Fetched]:
+        """Stage every file of the S3 sources `manifests` here (what is already here is kept): the space for all
+        of them checked first, then one stream of ranged GETs over all their missing files, `threads` in flight,
+        each file written and hashed in order. What each source holds, with the digests of all its files."""
         started = time.monotonic()
-        self.check_space(manifest, host)
-        done = Fetched()
-        bucket, key = split_source(manifest.source)
-        prefix = key if manifest.kind == "file" else (key.rstrip("/") + "/" if key else "")
-        with ThreadPoolExecutor(threads, thread_name_prefix="stage-get") as pool:
+        need = sum(self.status(m)["missing_bytes"] for m in manifests)
+        free = self.status(manifests[0])["free_bytes"] if manifests else 0
+        if need > free:
+            raise StageError(f"{host}: staging {', '.join(m.source for m in manifests)} needs {need:,} more bytes "
+                             f"in {self.root}, which has {free:,} free")
+        results, todo = [], []
+        for manifest in manifests:
+            done = Fetched()
+            results.append(done)
+            bucket, key = split_source(manifest.source)
+            prefix = key if manifest.kind == "file" else (key.rstrip("/") + "/" if key else "")
             for e in manifest.files:
                 if self.has(e, manifest.source):
                     done.digests[e.path] = self.known(e, manifest.source)
                     done.kept_files += 1
-                    continue
-                obj = prefix if manifest.kind == "file" else prefix + e.path
-                done.digests[e.path] = self._fetch_one(client, pool, bucket, obj, e, manifest.source, host,
-                                                       threads, part_bytes, done)
-        done.seconds = round(time.monotonic() - started, 3)
-        return done
+                else:
+                    obj = prefix if manifest.kind == "file" else prefix + e.path
+                    todo.append(_Fetch(e, manifest.source, bucket, obj, self.partial(e, manifest.source), done))
+        if todo:
+            self._stream(client, todo, host, threads, part_bytes)
+            for f in todo:
+                f.done.digests[f.entry.path] = self._place(f.part, f.entry, f.source, f.hash.hexdigest(), host)
+        for done in results:
+            done.seconds = round(time.monotonic() - started, 3)
+        return results
 
-    def _fetch_one(self, client, pool, bucket: str, key: str, entry: Entry, source: str, host: str, threads: int,
-                   part_bytes: int, done: Fetched) -> str:
-        part = self.partial(entry, source)
-        part.parent.mkdir(parents=True, exist_ok=True)
-        have = part.stat().st_size if part.exists() else 0
-        if have > entry.size:
-            part.unlink()
-            have = 0
-        h = sha256_of(part) if have else hashlib.sha256()  # what a cut-short staging left: hashed, not fetched
-        done.resumed_bytes += have
-        where = f"s3://{bucket}/{key}"
+    def _stream(self, client, todo: list["_Fetch"], host: str, threads: int, part_bytes: int) -> None:
+        """Fetch the rest of every file of `todo` into its partial file, in order, hashing as it goes."""
+        parts = []
+        for f in todo:
+            f.part.parent.mkdir(parents=True, exist_ok=True)
+            have = f.part.stat().st_size if f.part.exists() else 0
+            if have > f.entry.size:
+                f.part.unlink()
+                have = 0
+            f.hash = sha256_of(f.part) if have else hashlib.sha256()  # a cut-short staging's bytes: hashed again
+            f.done.resumed_bytes += have
+            parts += [(f, s, min(s + part_bytes, f.entry.size)) for s in range(have, f.entry.size, part_bytes)]
+            if f.entry.size == 0:
+                f.part.touch()
 
-        def get(start: int, end: int) -> bytes:
-            kwargs = {"IfMatch": f'"{entry.etag}"'} if entry.etag else {}
+        def get(f: _Fetch, start: int, end: int) -> bytes:
+            kwargs = {"IfMatch": f'"{f.entry.etag}"'} if f.entry.etag else {}
+            where = f"GET s3://{f.bucket}/{f.key} bytes {start}-{end - 1}"
             try:
-                body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kwargs)["Body"]
-                data = body.read()
+                data = client.get_object(Bucket=f.bucket, Key=f.key, Range=f"bytes={start}-{end - 1}",
+                                         **kwargs)["Body"].read()
             except Exception as exc:
                 code = _code(exc)
                 why = ("the object is gone (deleted since the manifest was read)" if code in ("NoSuchKey", "404")
                        else "the object changed since it was listed (ETag)" if code == "PreconditionFailed"
                        else f"{type(exc).__name__}: {exc}")
-                raise StageError(f"{host}: {source}: {entry.path}: GET {where} bytes {start}-{end - 1}: {why}") \
-                    from None
+                raise StageError(f"{host}: {f.source}: {f.entry.path}: {where}: {why}") from None
             if len(data) != end - start:
-                raise StageError(f"{host}: {source}: {entry.path}: GET {where} bytes {start}-{end - 1} returned "
-                                 f"{len(data):,} bytes")
+                raise StageError(f"{host}: {f.source}: {f.entry.path}: {where} returned {len(data):,} bytes")
             return data
 
-        ranges = [(s, min(s + part_bytes, entry.size)) for s in range(have, entry.size, part_bytes)]
         window: queue.Queue = queue.Queue()
         slots = threading.BoundedSemaphore(threads * 2)  # parts fetched but not yet written: bounded memory
         stop = threading.Event()
 
-        def submit():
-            for start, end in ranges:
+        def feed():
+            for f, start, end in parts:
                 slots.acquire()
                 if stop.is_set():
                     break
-                window.put(pool.submit(get, start, end))
+                window.put((f, pool.submit(get, f, start, end)))
             window.put(None)
 
-        feeder = threading.Thread(target=submit, daemon=True, name="stage-feed")
-        feeder.start()
-        try:
-            with open(part, "ab", buffering=0) as out:
-                os.fchmod(out.fileno(), 0o640)
-                while (future := window.get()) is not None:
+        out, current = None, None
+        with ThreadPoolExecutor(threads, thread_name_prefix="stage-get") as pool:
+            feeder = threading.Thread(target=feed, daemon=True, name="stage-feed")
+            feeder.start()
+            try:
+                while (item := window.get()) is not None:
+                    f, future = item
                     try:
                         data = future.result()
                     finally:
                         slots.release()
+                    if f is not current:
+                        if out is not None:
+                            out.close()
+                        out, current = open(f.part, "ab", buffering=0), f
+                        os.fchmod(out.fileno(), 0o640)
                     out.write(data)
-                    h.update(data)
-                    done.sent_bytes += len(data)
-        except BaseException:
-            stop.set()
-            while feeder.is_alive():  # let the feeder finish (each part it waits on is released here)
-                try:
-                    f = window.get(timeout=0.1)
-                    if f is not None:
-                        f.cancel()
-                        slots.release()
-                except queue.Empty:
-                    pass
-            raise
-        return self._place(part, entry, source, h.hexdigest(), host)
+                    f.hash.update(data)
+                    f.done.sent_bytes += len(data)
+            except BaseException:
+                stop.set()
+                while feeder.is_alive() or not window.empty():  # the feeder waits on slots: free them
+                    try:
+                        item = window.get(timeout=0.1)
+                        if item is not None:
+                            item[1].cancel()
+                            slots.release()
+                    except queue.Empty:
+                        pass
+                raise
+            finally:
+                if out is not None:
+                    out.close()
 
     # ---------------------------------------------------------------------------------- receive (from SFTP)
 

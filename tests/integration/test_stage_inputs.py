@@ -243,3 +243,39 @@ def test_the_flow_stages_a_model_from_s3_and_a_dataset_from_the_orchestrator(env
         argv = [json.loads(p.read_text())["argv"] for p in
                 (env["base"] / f"w-{name}" / "runs" / "staged").glob("shard-*/launch.json")]
         assert argv and all(cache_dir(str(env["base"] / f"w-{name}")) in " ".join(a) for a in argv)
+
+
+def test_hosts_that_disagree_on_a_digest_are_named_and_the_majority_is_written(env):
+    from tasks.stage import Source, Staged
+
+    client = env["client"]
+    client.put_object(Bucket=BUCKET, Key="vote/data.jsonl", Body=b'{"id": "a"}\n')
+    source = resolve_source("data", f"s3://{BUCKET}/vote/data.jsonl", env["access"])
+    assert isinstance(source, Source) and not source.manifest.complete
+    right = hashlib.sha256(b'{"id": "a"}\n').hexdigest()
+    staged = {h: Staged(h, digests={"data": {"data.jsonl": right if h != "h3" else "f" * 64}})
+              for h in ("h1", "h2", "h3")}
+    settled, odd = settle_manifests({"data": source}, staged, env["access"], Log())
+    assert list(odd) == ["h3"] and "differs from 2 other host(s)' in data.jsonl" in odd["h3"]
+    assert settled["data"].manifest.files[0].sha256 == right
+    kept = client.get_object(Bucket=BUCKET, Key="vote/data.jsonl.hsextract-manifest.json")["Body"].read()
+    assert Manifest.from_json(kept.decode()).files[0].sha256 == right
+
+
+def test_the_preflight_stages_the_inputs_and_checks_the_staged_copies(env, prefect_server, tmp_path):
+    from prefect_aws import AwsCredentials
+
+    from flows.preflight import preflight
+
+    AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1",
+                   aws_client_parameters={"endpoint_url": env["access"].endpoint_url}).save("stage-pf", overwrite=True)
+    entries = [ssh_host_entry(env["inventory"].host(n), env["base"] / f"w-{n}", gpus=(0,)) for n in ("h1", "small")]
+    hosts = write_inventory(tmp_path / "hosts.yaml", entries)
+    state = preflight(model=f"s3://{BUCKET}/models/tiny/", data=f"orchestrator:{env['data']}", device="cpu",
+                      output=f"s3://{BUCKET}/runs/pf", hosts=str(hosts), layers="1,3", aws_credentials="stage-pf",
+                      return_state=True)
+    result = state.result(raise_on_failure=False)
+    assert state.is_failed() and list(result["problems"]) == ["small"]
+    assert "nothing sent" in result["problems"]["small"]["inputs"]
+    assert result["hosts"]["h1"]["inputs"] == "ok" and result["hosts"]["h1"]["model"] == "ok"
+    assert result["hosts"]["h1"]["dataset"] == "ok" and result["plan"]["samples"] == 60
