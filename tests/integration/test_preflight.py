@@ -61,9 +61,9 @@ def test_preflight_names_each_hosts_problem_and_plans_the_run(prefect_server, fl
     message = state.message
     result = state.result(raise_on_failure=False)
     hosts = result["hosts"]
-    # the good hosts pass every check
+    # the good hosts pass every check (no GPU here; the inputs are paths on the hosts: nothing to stage)
     for name in ("ok1", "ok2"):
-        assert {c: s for c, s in hosts[name].items() if s != "ok"} == {"gpus": "skip"}, hosts[name]
+        assert {c: s for c, s in hosts[name].items() if s != "ok"} == {"gpus": "skip", "inputs": "skip"}, hosts[name]
     # each injected problem, on its host, with its reason
     assert hosts["nomodel"]["model"] == "fail" and "host nomodel: model: --model" in message
     assert "no such directory" in message.split("host nomodel: model:")[1].split("\n")[0]

@@ -279,3 +279,21 @@ def test_the_preflight_stages_the_inputs_and_checks_the_staged_copies(env, prefe
     assert "nothing sent" in result["problems"]["small"]["inputs"]
     assert result["hosts"]["h1"]["inputs"] == "ok" and result["hosts"]["h1"]["model"] == "ok"
     assert result["hosts"]["h1"]["dataset"] == "ok" and result["plan"]["samples"] == 60
+
+
+def test_a_fetch_from_s3_cut_short_resumes_from_its_partial_file(env):
+    client = env["client"]
+    body = os.urandom(3 << 20)
+    client.put_object(Bucket=BUCKET, Key="resume/weights.bin", Body=body)
+    listed = resolve_source("data", f"s3://{BUCKET}/resume/weights.bin", env["access"]).manifest
+    client.put_object(Bucket=BUCKET, Key="resume/weights.bin.hsextract-manifest.json", Body=listed.with_digests(
+        {"weights.bin": hashlib.sha256(body).hexdigest()}).to_json().encode())
+    source = resolve_source("data", f"s3://{BUCKET}/resume/weights.bin", env["access"])
+    assert source.manifest.complete
+    cache = Cache(cache_dir(str(env["base"] / "w-h1")))
+    part = cache.partial(source.manifest.files[0], source.manifest.source)
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.write_bytes(body[:(1 << 20) + 7])  # cut mid-part
+    got = stage_on(env, "h1", {"data": source})
+    assert got.resumed_bytes == (1 << 20) + 7 and got.sent_bytes == len(body) - got.resumed_bytes
+    assert Path(got.paths["data"]).read_bytes() == body and not part.exists()
