@@ -124,6 +124,16 @@ def clear(inventory, what: str) -> None:
         shutil.rmtree(Path(spec.workdir) / what, ignore_errors=True)
 
 
+def second_staging(path: str, inventory, resolve, stage) -> str:
+    """The table's row for staging the same sources again: the plan's `resolve()` and every host's `stage`."""
+    began = time.monotonic()
+    sources = resolve()
+    _, staged = on_all(inventory, lambda host: stage(host, sources))
+    assert all(s.sent_bytes == 0 for s in staged), [s.sent_bytes for s in staged]
+    took = time.monotonic() - began
+    return f"| {path}, second staging of the same run (plan + every host) | {took:.1f} | 0 sent | | |"
+
+
 def row(label: str, seconds: float, nbytes: int, raw: float | None = None) -> str:
     rate = nbytes / seconds / 2**20
     ratio = f"{rate / raw:.2f}" if raw else ""
@@ -197,10 +207,10 @@ def main() -> int:
                 print(lines[-1], flush=True)
                 params = {"model": f"s3://{BUCKET}/model/", "data": f"s3://{BUCKET}/data/"}
                 sources = resolve_sources(params, access)
-                def stage(host):
+                def stage(host, sources):
                     return stage_host(host, sources, bundle.sha256, access, threads=args.threads,
                                       part_mib=args.part_mib)
-                first_s, staged = on_all(inventory, stage)
+                first_s, staged = on_all(inventory, lambda host: stage(host, sources))
                 assert all(s.sent_bytes == per_host for s in staged), [s.sent_bytes for s in staged]
                 began = time.monotonic()
                 _, odd = settle_manifests(sources, {s.host: s for s in staged}, access, Log())
@@ -211,16 +221,11 @@ def main() -> int:
                 print(lines[-1], flush=True)
                 clear(inventory, "inputs")
                 sources = resolve_sources(params, access)  # now with the manifest
-                again_s, staged = on_all(inventory, stage)
+                again_s, staged = on_all(inventory, lambda host: stage(host, sources))
                 assert all(s.sent_bytes == per_host for s in staged)
                 lines.append(row("S3, staged (manifest known)", again_s, total, raw_rate))
                 print(lines[-1], flush=True)
-                began = time.monotonic()
-                sources = resolve_sources(params, access)
-                _, staged = on_all(inventory, stage)
-                assert all(s.sent_bytes == 0 for s in staged)
-                lines.append(f"| S3, second staging of the same run (plan + every host) | "
-                             f"{time.monotonic() - began:.1f} | 0 sent | | |")
+                lines.append(second_staging("S3", inventory, lambda: resolve_sources(params, access), stage))
                 print(lines[-1], flush=True)
                 clear(inventory, "inputs")
 
@@ -255,20 +260,16 @@ def main() -> int:
                 params = {"model": f"orchestrator:{model}", "data": f"orchestrator:{data}"}
                 sources = resolve_sources(params, access)
                 manifest_s = time.monotonic() - began
-                def stage(host):  # noqa: F811
+                def stage(host, sources):  # noqa: F811
                     return stage_host(host, sources, bundle.sha256, access)
-                first_s, staged = on_all(inventory, stage)
+                first_s, staged = on_all(inventory, lambda host: stage(host, sources))
                 assert all(s.sent_bytes == per_host for s in staged)
                 lines.append(row("orchestrator, staged (SFTP, then verified on the host)", first_s, total, raw_rate))
                 lines.append(f"| orchestrator, the manifest made once on the orchestrator (sha256 of the source) | "
                              f"{manifest_s:.1f} | {per_host / 2**30:.1f} | {per_host / manifest_s / 2**20:,.0f} | |")
                 print("\n".join(lines[-2:]), flush=True)
-                began = time.monotonic()
-                sources = resolve_sources(params, access)
-                _, staged = on_all(inventory, stage)
-                assert all(s.sent_bytes == 0 for s in staged)
-                lines.append(f"| orchestrator, second staging of the same run (plan + every host) | "
-                             f"{time.monotonic() - began:.1f} | 0 sent | | |")
+                lines.append(second_staging("orchestrator", inventory, lambda: resolve_sources(params, access),
+                                            stage))
                 clear(inventory, "inputs")
     finally:
         moto.terminate()
