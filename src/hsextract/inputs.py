@@ -41,6 +41,9 @@ def dataset_files(path: Path) -> tuple[str, list[Path]]:
             return "jsonl.zst", [path]
         return "jsonl", [path]
     if not path.is_dir():
+        if str(path).startswith(("s3:/", "orchestrator:")):  # argparse's Path turned s3://b/k into s3:/b/k
+            raise UsageError(f"--data {str(path).replace('s3:/', 's3://', 1)!r}: the worker reads a local path; "
+                             f"the extract flow stages s3:// and orchestrator: sources onto the hosts first")
         raise UsageError(f"--data {str(path)!r}: no such file or directory")
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])

@@ -137,3 +137,13 @@ def test_the_worker_runs_a_parquet_dataset_like_its_jsonl(tmp_path, tiny_model):
     report = reconcile_output(LocalStore(tmp_path / "out-parquet-dir"), dataset_ids(paths["parquet-dir"]), 2)
     assert report.done + sum(report.skipped.values()) == report.expected == 45, report
     assert not report.missing_ids and not report.duplicated and report.sealed, report
+
+
+def test_an_s3_dataset_given_to_the_worker_itself_says_the_flow_stages_it(tmp_path, tiny_model, capsys):
+    from hsextract.cli import main
+
+    code = main(["check", "--model", str(tiny_model), "--data", "s3://bucket/chats/train.parquet", "--out",
+                 str(tmp_path / "out"), "--layers", "1", "--shard", "0", "--num-shards", "1"])
+    said = capsys.readouterr().err
+    assert code == 2 and "--data 's3://bucket/chats/train.parquet': the worker reads a local path" in said
+    assert "stages s3:// and orchestrator: sources" in said
