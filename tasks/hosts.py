@@ -311,7 +311,7 @@ class SshHost(Host):
                      "-o", f"UserKnownHostsFile={self.inventory.known_hosts_path(spec)}"]
         if spec.key_filename:
             args += ["-i", str(Path(spec.key_filename).expanduser()), "-o", "IdentitiesOnly=yes"]
-        args.append(f"{spec.user}@{spec.hostname}" if spec.user else spec.hostname)
+        args += ["--", f"{spec.user}@{spec.hostname}" if spec.user else spec.hostname]  # never read as an option
         try:
             proc = subprocess.run(args, input=batch.encode(), capture_output=True, timeout=t.connect_s + timeout)
         except subprocess.TimeoutExpired:
