@@ -34,7 +34,7 @@ from hsextract.sources import (Cache, Manifest, StageError, local_manifest, mani
 
 from .commands import bundle_dir, quote
 from .credentials import S3Access
-from .hosts import Host, SshHost
+from .hosts import Host, HostError, SshHost
 
 ORCHESTRATOR = "orchestrator:"
 ROLES = ("model", "data")
@@ -170,7 +170,7 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
             got.update(_send(host, {r: sources[r] for r in sent}, bundle_sha256, {r: manifests[r] for r in sent},
                              {r: status[r]["offsets"] for r in sent}))
     finally:
-        host.run("rm -f " + " ".join(quote(m) for m in manifests.values()), BASE_TIMEOUT_S)
+        _quietly(host, "rm -f " + " ".join(quote(m) for m in manifests.values()))
     for role in roles:
         one = got[role]
         staged.paths[role] = one["view"]
@@ -204,8 +204,8 @@ def _fetch(host: Host, sources: list[Source], bundle_sha256: str, manifests: lis
         return _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifests, extra), timeout,
                           " and ".join(s.uri for s in sources))
     finally:
-        if creds is not None:
-            host.run(f"rm -f {quote(creds)}", BASE_TIMEOUT_S)
+        if creds is not None:  # (`hsextract stage` removes it too, as it exits)
+            _quietly(host, f"rm -f {quote(creds)}")
 
 
 def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests: dict[str, str],
@@ -261,12 +261,18 @@ def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests:
             raise
         finally:
             follower.join()
-            host.run(f"rm -f {quote(abort)}", BASE_TIMEOUT_S)
+            _quietly(host, f"rm -f {quote(abort)}")
         if "error" in box:
             raise box["error"]
         placed = box["placed"]
     return {role: {**one, "sent_bytes": sent[role], "resumed_bytes": resumed[role]}
             for role, one in zip(sources, placed)}
+
+
+def _quietly(host: Host, command: str) -> None:
+    """A clean-up command whose failure (a link gone) must not hide the error being raised."""
+    with contextlib.suppress(HostError):
+        host.run(command, BASE_TIMEOUT_S)
 
 
 @contextlib.contextmanager
