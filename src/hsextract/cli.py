@@ -157,7 +157,8 @@ def export_command(args) -> int:
 
 
 def stage_command(args) -> int:
-    """`hsextract stage`: prints `STAGE {json}`; exit 2 naming the file when a source is not what it should be."""
+    """`hsextract stage`: prints `STAGE {json}`; exit 2 naming the file when a source is not what it should be,
+    exit 1 when the store did not answer (after boto3's own retries)."""
     from . import sources
 
     if args.aws_credentials_file is not None:
@@ -185,7 +186,7 @@ def stage_command(args) -> int:
                 out.append({**vars(got), "view": str(cache.view(complete)), "id": complete.id})
     except (sources.StageError, OSError) as exc:
         print(f"hsextract: {exc}", file=sys.stderr)
-        return USAGE_EXIT
+        return 1 if getattr(exc, "transient", False) else USAGE_EXIT  # exit 1: a retry may help
     finally:
         if args.aws_credentials_file is not None:
             args.aws_credentials_file.unlink(missing_ok=True)

@@ -38,7 +38,12 @@ _READ = 8 << 20
 
 
 class StageError(Exception):
-    """A source or a staged file is not what its manifest says, or cannot be read (names the file)."""
+    """A source or a staged file is not what its manifest says, or cannot be read (names the file).
+    `transient`: the store did not answer (a retry may help), as opposed to a source that is wrong."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 @dataclass(frozen=True)
@@ -489,10 +494,12 @@ class Cache:
                                          **kwargs)["Body"].read()
             except Exception as exc:
                 code = _code(exc)
-                why = ("the object is gone (deleted since the manifest was read)" if code in ("NoSuchKey", "404")
-                       else "the object changed since it was listed (ETag)" if code == "PreconditionFailed"
+                gone, changed = code in ("NoSuchKey", "404"), code == "PreconditionFailed"
+                why = ("the object is gone (deleted since the manifest was read)" if gone
+                       else "the object changed since it was listed (ETag)" if changed
                        else f"{type(exc).__name__}: {exc}")
-                raise StageError(f"{host}: {f.source}: {f.entry.path}: {where}: {why}") from None
+                raise StageError(f"{host}: {f.source}: {f.entry.path}: {where}: {why}",
+                                 transient=not (gone or changed or code in ("AccessDenied", "NoSuchBucket"))) from None
             if len(data) != end - start:
                 raise StageError(f"{host}: {f.source}: {f.entry.path}: {where} returned {len(data):,} bytes")
             return data
