@@ -30,6 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .store.local import sha256_file, sha256_hash
+from .store.s3 import error_code
+
 MANIFEST_SUFFIX = ".hsextract-manifest.json"
 MANIFEST_VERSION = 1
 PART_BYTES = 16 << 20   # one ranged GET
@@ -112,23 +115,6 @@ def manifest_uri(source: str) -> str:
     return source.rstrip("/") + MANIFEST_SUFFIX
 
 
-def sha256_of(path: Path, start: "hashlib._Hash | None" = None, limit: int | None = None):
-    """The sha256 object of `path`'s first `limit` bytes (all of it by default), continuing `start`."""
-    h = start or hashlib.sha256()
-    left = limit
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_READ)
-        view = memoryview(buf)
-        while left is None or left > 0:
-            n = f.readinto(view if left is None or left >= _READ else view[:left])
-            if not n:
-                break
-            h.update(view[:n])
-            if left is not None:
-                left -= n
-    return h
-
-
 # ---------------------------------------------------------------------------------------------- local sources
 
 
@@ -154,7 +140,7 @@ def local_manifest(path: Path, write: bool = True) -> Manifest:
             return Manifest.from_json(kept.read_text(), str(kept))
     except (OSError, ValueError):
         pass
-    manifest = Manifest(str(path), kind, tuple(Entry(rel, stamp[rel][0], sha256_of(p).hexdigest())
+    manifest = Manifest(str(path), kind, tuple(Entry(rel, stamp[rel][0], sha256_file(p))
                                                for rel, p in files))
     if write:
         try:
@@ -169,10 +155,6 @@ def local_manifest(path: Path, write: bool = True) -> Manifest:
 
 
 # ------------------------------------------------------------------------------------------------- S3 sources
-
-
-def _code(exc: Exception) -> str:
-    return getattr(exc, "response", {}).get("Error", {}).get("Code", "")
 
 
 def split_source(uri: str) -> tuple[str, str]:
@@ -195,7 +177,7 @@ def list_s3(client, uri: str) -> Manifest:
             return Manifest(uri, "file", (Entry(key.rsplit("/", 1)[-1], head["ContentLength"], None,
                                                 head.get("ETag", "").strip('"')),))
         except Exception as exc:
-            if _code(exc) not in ("404", "NoSuchKey", "NotFound"):
+            if error_code(exc) not in ("404", "NoSuchKey", "NotFound"):
                 raise StageError(f"{uri}: {type(exc).__name__}: {exc}") from None
     prefix = key.rstrip("/") + "/" if key else ""
     files = []
@@ -218,7 +200,7 @@ def read_s3_manifest(client, uri: str) -> Manifest | None:
     try:
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except Exception as exc:
-        if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+        if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
             return None
         raise StageError(f"{manifest_uri(uri)}: {type(exc).__name__}: {exc}") from None
     return Manifest.from_json(body.decode(errors="replace"), manifest_uri(uri))
@@ -328,32 +310,13 @@ class Cache:
         return {"missing_bytes": missing, "partial_bytes": partial, "present_bytes": present,
                 "free_bytes": st.f_bavail * st.f_frsize, "cache": str(self.root)}
 
-    def place(self, entry: Entry, source: str, host: str = "this host") -> str:
-        """Verify the complete partial file of `entry` (size, and digest where the manifest has one), make it the
-        blob; its digest. A wrong one is removed (the next staging fetches it again) and named."""
-        part = self.partial(entry, source)
-        size = part.stat().st_size
-        if size != entry.size:
-            raise StageError(f"{host}: {source}: {entry.path}: {size:,} bytes staged, {entry.size:,} expected")
-        sha = sha256_of(part).hexdigest()
-        return self._place(part, entry, source, sha, host)
-
-    def place_all(self, manifest: Manifest, host: str = "this host") -> Fetched:
-        """`place` every file of `manifest` that is not a blob yet (sent into its partial file)."""
-        done = Fetched()
-        for entry in manifest.files:
-            if self.has(entry, manifest.source):
-                done.kept_files += 1
-                done.digests[entry.path] = self.known(entry, manifest.source)
-            else:
-                done.digests[entry.path] = self.place(entry, manifest.source, host)
-        return done
-
     def follow(self, manifests: list[Manifest], host: str = "this host", abort: Path | None = None,
                stall_s: float = 120.0, poll_s: float = 0.02) -> list[Fetched]:
-        """`place_all` while the files are still arriving (sent into their partial files, in manifest order):
-        each file is hashed as it grows, so the digest is ready when its last byte lands. StageError when
-        `abort` appears (the sender failed) or no byte arrives for `stall_s`."""
+        """Verify each file of `manifests` that is not a blob yet against its entry (size, and digest where the
+        manifest has one) and make it the blob; a wrong one is removed (the next staging sends it again) and
+        named. The files may still be arriving (sent into their partial files, in manifest order): each is
+        hashed as it grows, so its digest is ready when its last byte lands. StageError when `abort` appears
+        (the sender failed) or no byte arrives for `stall_s` (0: every file must be complete already)."""
         results = []
         buf = bytearray(_READ)
         view = memoryview(buf)
@@ -445,8 +408,9 @@ class Cache:
         of them checked first, then one stream of ranged GETs over all their missing files, `threads` in flight,
         each file written and hashed in order. What each source holds, with the digests of all its files."""
         started = time.monotonic()
-        need = sum(self.status(m)["missing_bytes"] for m in manifests)
-        free = self.status(manifests[0])["free_bytes"] if manifests else 0
+        states = [self.status(m) for m in manifests]
+        need = sum(st["missing_bytes"] for st in states)
+        free = states[0]["free_bytes"] if states else 0
         if need > free:
             raise StageError(f"{host}: staging {', '.join(m.source for m in manifests)} needs {need:,} more bytes "
                              f"in {self.root}, which has {free:,} free")
@@ -480,7 +444,7 @@ class Cache:
             if have > f.entry.size:
                 f.part.unlink()
                 have = 0
-            f.hash = sha256_of(f.part) if have else hashlib.sha256()  # a cut-short staging's bytes: hashed again
+            f.hash = sha256_hash(f.part) if have else hashlib.sha256()  # a cut-short staging's bytes: hashed again
             f.done.resumed_bytes += have
             parts += [(f, s, min(s + part_bytes, f.entry.size)) for s in range(have, f.entry.size, part_bytes)]
             if f.entry.size == 0:
@@ -493,7 +457,7 @@ class Cache:
                 data = client.get_object(Bucket=f.bucket, Key=f.key, Range=f"bytes={start}-{end - 1}",
                                          **kwargs)["Body"].read()
             except Exception as exc:
-                code = _code(exc)
+                code = error_code(exc)
                 gone, changed = code in ("NoSuchKey", "404"), code == "PreconditionFailed"
                 why = ("the object is gone (deleted since the manifest was read)" if gone
                        else "the object changed since it was listed (ETag)" if changed

@@ -14,13 +14,18 @@ from ..journal import repair_tail
 from .base import FILE_MODE, Store, StoredObject
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
+def sha256_hash(path: Path, chunk: int = 8 << 20):
+    """The sha256 object of a file, read in chunks (its `update` may go on with what follows the file)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
-    return digest.hexdigest()
+    return digest
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    return sha256_hash(path, chunk).hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

@@ -43,7 +43,8 @@ def s3_client(endpoint_url: str | None = None, attempts: int = 8, **kwargs):
     return session.client("s3", endpoint_url=endpoint_url, config=config, **kwargs)
 
 
-def _error_code(exc: Exception) -> str:
+def error_code(exc: Exception) -> str:
+    """The S3 error code of a botocore error ('NoSuchKey', '404', ...), '' for any other exception."""
     return getattr(exc, "response", {}).get("Error", {}).get("Code", "")
 
 
@@ -71,7 +72,7 @@ class S3Store(Store):
         try:
             return fn(Bucket=self.bucket, **({"Key": self.key(key)} if key is not None else {}), **kwargs)
         except ClientError as exc:
-            code = _error_code(exc)
+            code = error_code(exc)
             if code == "NoSuchBucket":
                 raise NoSuchBucket(f"{self.uri}: the bucket {self.bucket!r} does not exist (NoSuchBucket from "
                                    f"{self.client.meta.endpoint_url}): create it, or fix the output") from None
@@ -128,7 +129,7 @@ class S3Store(Store):
         try:
             self._call(self.client.put_object, key, Body=data, ChecksumAlgorithm="SHA256", **condition)
         except ClientError as exc:
-            if _error_code(exc) in _CONFLICT:
+            if error_code(exc) in _CONFLICT:
                 return False
             raise
         return True
