@@ -99,12 +99,17 @@ def env_check_cmd(python: str, workdir: str, bundle_sha256: str, synthetic: bool
     return f"{run} > {quote(env)}.$$.tmp && mv {quote(env)}.$$.tmp {quote(env)} && cat {quote(env)}"
 
 
+def hsextract_cmd(workdir: str, bundle_sha256: str, python: str, args: list[str]) -> str:
+    """`hsextract ARGS` from the bundle deployed on the host, through its `python`, every argument quoted."""
+    d = bundle_dir(workdir, bundle_sha256)
+    return (f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(python)} -m hsextract "
+            + " ".join(quote(a) for a in args))
+
+
 def preflight_cmd(workdir: str, bundle_sha256: str, python: str, options: list[str]) -> str:
     """`hsextract check` from the bundle with a shard's worker options: prints `CHECK {...}`, or exits 2
     naming what a shard would fail on (model, layers, dataset, output)."""
-    d = bundle_dir(workdir, bundle_sha256)
-    return (f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(python)} -m hsextract check "
-            + " ".join(quote(a) for a in options) + " </dev/null")
+    return hsextract_cmd(workdir, bundle_sha256, python, ["check", *options]) + " </dev/null"
 
 
 def launch_cmd(control: str, bundle: str, gpu: int, argv: list[str], journal: str, wait_s: float = 5.0,

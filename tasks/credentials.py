@@ -9,7 +9,11 @@ No block name: nothing is sent and the worker uses the host's own AWS credential
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+
+from .commands import quote
+from .hosts import HostError
 
 CREDENTIALS_FILE = "aws-credentials"
 
@@ -103,3 +107,25 @@ def load_access(name: str | None) -> S3Access:
         return access
     raise CredentialsError(f"aws_credentials={name!r}: no AwsCredentials or S3Bucket block by that name "
                            f"({'; '.join(errors)})")
+
+
+@contextlib.contextmanager
+def access_on(host, access: S3Access, path: str, timeout: float):
+    """The run's S3 access for one `hsextract` command on `host`, as a launch gives it (tasks/shards.py): yields
+    (arguments, environment prefix). The keys, when the block has them, go as a 0600 file at `path`
+    (`--aws-credentials-file`), removed after the command; the region as AWS_DEFAULT_REGION; the profile as
+    AWS_PROFILE when there are no keys."""
+    args, env, creds = [], "", None
+    if (body := access.credentials_file()) is not None:
+        host.put(body, path, timeout, mode=0o600)
+        creds, args = path, ["--aws-credentials-file", path]
+    if access.region:
+        env += f"AWS_DEFAULT_REGION={quote(access.region)} "
+    if creds is None and access.profile:
+        env += f"AWS_PROFILE={quote(access.profile)} "
+    try:
+        yield args, env
+    finally:
+        if creds is not None:  # a link gone must not hide the error being raised (the command removes it too)
+            with contextlib.suppress(HostError):
+                host.run(f"rm -f {quote(creds)}", timeout)

@@ -15,7 +15,7 @@ from hsextract.options import WorkerOptions
 
 from .bundle import Bundle
 from .commands import bundle_tarball, check_bundle_cmd, env_check_cmd, preflight_cmd, quote, unpack_bundle_cmd
-from .failures import Failure, last_line, one_line
+from .failures import Failure, last_line, one_line, said
 from .hosts import Host, HostError, connect
 from .inventory import Inventory
 from .stage import Staged, StageFailed, on_host, stage_host
@@ -93,12 +93,12 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
                                f"failed: {exc.reason}{_free_space(host, host.spec.workdir)}", exc.transient) from None
         unpacked = host.run(unpack_bundle_cmd(host.spec.workdir, bundle.sha256, nonce), timeout)
         if not unpacked.stdout.startswith(f"SHA256 {bundle.sha256}\n") or not unpacked.ok:
-            raise DeployFailed(f"host {host.name}: wrong bundle hash or unpack failed: {_said(unpacked)}\n"
+            raise DeployFailed(f"host {host.name}: wrong bundle hash or unpack failed: {said(unpacked)}\n"
                                f"(expected sha256 {bundle.sha256}); " + unpacked.describe())
         proved, check = _proof(host, bundle.sha256, python, version, timeout, synthetic)
         if not proved:
             raise DeployFailed(f"host {host.name}: `{python} -m hsextract --version` did not prove the bundle: "
-                               f"{_said(check)}\n"
+                               f"{said(check)}\n"
                                f"(expected 'BUNDLE {bundle.sha256}' and 'hsextract {version}'); " + check.describe())
     if skipped and (line := next((l for l in check.stdout.splitlines() if l.startswith("ENV ")), None)):
         return Deployed(host.name, bundle.sha256, version, line[4:], True, round(time.monotonic() - started, 3))
@@ -106,7 +106,7 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
     line = next((l for l in env.stdout.splitlines() if l.startswith("ENV ")), None)
     if not env.ok or line is None:
         what = "the synthetic worker" if synthetic else "the worker's packages (torch, transformers, safetensors)"
-        raise DeployFailed(f"host {host.name}: its python cannot import {what}: {_said(env)}\n" + env.describe())
+        raise DeployFailed(f"host {host.name}: its python cannot import {what}: {said(env)}\n" + env.describe())
     return Deployed(host.name, bundle.sha256, version, line[4:], skipped, round(time.monotonic() - started, 3))
 
 
@@ -117,16 +117,11 @@ def preflight_host(host: Host, bundle_sha256: str, options: list[str], timeout: 
     line = next((l for l in result.stdout.splitlines() if l.startswith("CHECK ")), None)
     if result.ok and line is not None:
         return json.loads(line[6:])
-    said = last_line(result.stderr).removeprefix("hsextract: ")
-    if result.returncode == 2 and said:
-        raise DeployFailed(f"host {host.name}: {said}\npreflight check: {result.describe()}", mistake=True)
+    problem = last_line(result.stderr).removeprefix("hsextract: ")
+    if result.returncode == 2 and problem:
+        raise DeployFailed(f"host {host.name}: {problem}\npreflight check: {result.describe()}", mistake=True)
     raise DeployFailed(f"host {host.name}: the preflight check (`hsextract check`) gave no verdict: "
-                       f"{_said(result)}\n" + result.describe())
-
-
-def _said(result) -> str:
-    """The last line a command printed (stderr first): its own word on what went wrong."""
-    return last_line(result.stderr) or last_line(result.stdout) or f"exit {result.returncode}, nothing printed"
+                       f"{said(result)}\n" + result.describe())
 
 
 def _retry_transient(task, task_run, state) -> bool:

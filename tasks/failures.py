@@ -33,6 +33,11 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def said(result) -> str:
+    """The last line a command printed (stderr first): its own word on what went wrong."""
+    return last_line(result.stderr) or last_line(result.stdout) or f"exit {result.returncode}, nothing printed"
+
+
 @dataclass(frozen=True)
 class Failure:
     """One failed shard (`shard` set) or host (`shard` None)."""

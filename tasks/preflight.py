@@ -20,6 +20,7 @@ once. The checks:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -31,9 +32,9 @@ from hsextract.quant import fp8_bytes_per_token
 
 from .bundle import Bundle
 from .commands import bundle_dir, facts_cmd, parse_facts, preflight_cmd, quote
-from .credentials import S3Access
+from .credentials import S3Access, access_on
 from .deploy import DeployFailed, deploy_host
-from .failures import last_line, one_line
+from .failures import last_line, one_line, said
 from .hosts import Host, HostError, connect
 from .inventory import HostSpec, Inventory
 from .stage import StageFailed, on_host, stage_host
@@ -177,28 +178,18 @@ def _worker_checks(host: Host, report: HostReport, bundle: Bundle, options: Work
     args = replace(options, shard=0, num_shards=1).argv() + ["--report", "--probe-output"]
     if sample_tokens:
         args += ["--sample-tokens", str(sample_tokens)]
-    creds = None
-    if options.upload and (body := access.credentials_file()) is not None:
-        creds = f"{spec.workdir}/preflight/credentials-{uuid.uuid4().hex[:12]}"
-        host.run(f"mkdir -p {quote(spec.workdir + '/preflight')} && chmod 700 {quote(spec.workdir + '/preflight')}",
-                 timeout)
-        host.put(body, creds, timeout, mode=0o600)
-        args += ["--aws-credentials-file", creds]
-    env = ""  # as a launch sets them (tasks/shards.py): the region, and the profile when there are no keys
-    if options.upload and access.region:
-        env += f"AWS_DEFAULT_REGION={quote(access.region)} "
-    if options.upload and creds is None and access.profile:
-        env += f"AWS_PROFILE={quote(access.profile)} "
-    try:
-        result = host.run(env + preflight_cmd(spec.workdir, bundle.sha256, spec.python, args), timeout)
-    finally:
-        if creds is not None:
-            host.run(f"rm -f {quote(creds)}", timeout)
+    given = contextlib.nullcontext(([], ""))
+    if options.upload:
+        if access.has_keys:
+            host.run(f"mkdir -p {quote(spec.workdir + '/preflight')} && chmod 700 "
+                     f"{quote(spec.workdir + '/preflight')}", timeout)
+        given = access_on(host, access, f"{spec.workdir}/preflight/credentials-{uuid.uuid4().hex[:12]}", timeout)
+    with given as (extra, env):
+        result = host.run(env + preflight_cmd(spec.workdir, bundle.sha256, spec.python, args + extra), timeout)
     line = next((l for l in result.stdout.splitlines() if l.startswith("CHECK ")), None)
     if line is None:
-        said = last_line(result.stderr) or last_line(result.stdout) or f"exit {result.returncode}, nothing printed"
         for name in ("model", "dataset", "output"):
-            report.set(name, "fail", f"`hsextract check` gave no verdict: {one_line(said)}")
+            report.set(name, "fail", f"`hsextract check` gave no verdict: {one_line(said(result))}")
         return {}
     verdicts = json.loads(line[6:])
     report.facts["check"] = verdicts

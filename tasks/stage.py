@@ -32,8 +32,9 @@ from hsextract.options import WorkerOptions
 from hsextract.sources import (Cache, Manifest, StageError, local_manifest, manifest_uri, s3_manifest,
                                write_s3_manifest)
 
-from .commands import bundle_dir, quote
-from .credentials import S3Access
+from .commands import hsextract_cmd, quote
+from .credentials import S3Access, access_on
+from .failures import said
 from .hosts import Host, HostError, SshHost
 
 ORCHESTRATOR = "orchestrator:"
@@ -118,11 +119,11 @@ def on_host(options: WorkerOptions, staged: Staged | None) -> WorkerOptions:
     return replace(options, **{role: Path(path) for role, path in staged.paths.items()})
 
 
-def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifests: list[str], extra: str = "") -> str:
-    d = bundle_dir(host.spec.workdir, bundle_sha256)
-    return (f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(host.spec.python)} -m hsextract "
-            f"stage {action} --cache {quote(cache_dir(host.spec.workdir))} "
-            + " ".join(f"--manifest {quote(m)}" for m in manifests) + f" --host {quote(host.name)}{extra}")
+def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifests: list[str], extra: list[str] = ()) -> str:
+    spec = host.spec
+    return hsextract_cmd(spec.workdir, bundle_sha256, spec.python,
+                         ["stage", action, "--cache", cache_dir(spec.workdir),
+                          *(a for m in manifests for a in ("--manifest", m)), "--host", host.name, *extra])
 
 
 def _run_stage(host: Host, command: str, timeout: float, what: str) -> list[dict]:
@@ -130,9 +131,8 @@ def _run_stage(host: Host, command: str, timeout: float, what: str) -> list[dict
     line = next((l for l in result.stdout.splitlines() if l.startswith("STAGE ")), None)
     if result.ok and line is not None:
         return json.loads(line[6:])
-    said = (result.stderr.strip().splitlines() or result.stdout.strip().splitlines() or
-            [f"exit {result.returncode}, nothing printed"])[-1].removeprefix("hsextract: ")
-    raise StageFailed(f"host {host.name}: staging {what}: {said}", result.describe(), mistake=result.returncode == 2)
+    raise StageFailed(f"host {host.name}: staging {what}: {said(result).removeprefix('hsextract: ')}",
+                      result.describe(), mistake=result.returncode == 2)
 
 
 def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, access: S3Access, log=None,
@@ -164,8 +164,9 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
         got = {}
         if s3 := [r for r in roles if sources[r].from_s3]:
             timeout = BASE_TIMEOUT_S + sum(status[r]["missing_bytes"] for r in s3) / MIN_RATE
+            tuning = ["--threads", str(threads), "--part-mib", str(part_mib)]
             got.update(zip(s3, _fetch(host, [sources[r] for r in s3], bundle_sha256, [manifests[r] for r in s3],
-                                      access, timeout, nonce, f" --threads {int(threads)} --part-mib {int(part_mib)}")))
+                                      access, timeout, nonce, tuning)))
         if sent := [r for r in roles if not sources[r].from_s3]:
             got.update(_send(host, {r: sources[r] for r in sent}, bundle_sha256, {r: manifests[r] for r in sent},
                              {r: status[r]["offsets"] for r in sent}))
@@ -187,25 +188,14 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
 
 
 def _fetch(host: Host, sources: list[Source], bundle_sha256: str, manifests: list[str], access: S3Access,
-           timeout: float, nonce: str, extra: str = "") -> list[dict]:
+           timeout: float, nonce: str, extra: list[str]) -> list[dict]:
     """`hsextract stage fetch` on the host: it GETs what it lacks from S3 with the run's credentials."""
-    env, creds = "", None
     if access.endpoint_url:
-        extra += f" --s3-endpoint {quote(access.endpoint_url)}"
-    if (body := access.credentials_file()) is not None:
-        creds = f"{cache_dir(host.spec.workdir)}/manifests/credentials-{nonce}"
-        host.put(body, creds, BASE_TIMEOUT_S, mode=0o600)
-        extra += f" --aws-credentials-file {quote(creds)}"
-    if access.region:
-        env += f"AWS_DEFAULT_REGION={quote(access.region)} "
-    if creds is None and access.profile:
-        env += f"AWS_PROFILE={quote(access.profile)} "
-    try:
-        return _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifests, extra), timeout,
+        extra = [*extra, "--s3-endpoint", access.endpoint_url]
+    creds = f"{cache_dir(host.spec.workdir)}/manifests/credentials-{nonce}"
+    with access_on(host, access, creds, BASE_TIMEOUT_S) as (args, env):
+        return _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifests, [*extra, *args]), timeout,
                           " and ".join(s.uri for s in sources))
-    finally:
-        if creds is not None:  # (`hsextract stage` removes it too, as it exits)
-            _quietly(host, f"rm -f {quote(creds)}")
 
 
 def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests: dict[str, str],
@@ -242,7 +232,7 @@ def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests:
     else:  # the host hashes each file as it arrives (`place --follow`) while one SFTP session sends them all
         nonce = uuid.uuid4().hex[:12]
         abort = f"{cache.root}/partial/{nonce}.abort"
-        command = _stage_cmd(host, bundle_sha256, "place", list(manifests.values()), f" --follow {nonce}")
+        command = _stage_cmd(host, bundle_sha256, "place", list(manifests.values()), ["--follow", nonce])
         box: dict = {}
 
         def follow():
