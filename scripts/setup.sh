@@ -12,6 +12,7 @@ PY=${PYTHON:-python3}
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=""
   [ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
+  command -v sftp >/dev/null || missing="$missing openssh-client"  # staging sends orchestrator: inputs with it
   command -v ip >/dev/null || missing="$missing iproute2"
   command -v flock >/dev/null || missing="$missing util-linux"
   [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || [ "$(uname -m)" != x86_64 ] \
