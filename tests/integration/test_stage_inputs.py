@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -133,10 +134,15 @@ def test_s3_sources_are_staged_verified_and_never_sent_twice(env, monkeypatch):
     assert list(iter_ids(here)) == list(iter_ids(env["data"]))
 
 
-def test_an_orchestrator_source_resumes_a_partial_file(env, tmp_path):
+@pytest.mark.parametrize("sender", ["openssh", "paramiko"])
+def test_an_orchestrator_source_resumes_a_partial_file(env, tmp_path, monkeypatch, sender):
+    """Sent with OpenSSH's `sftp` where the orchestrator has it, else with paramiko's SFTP (the fallback)."""
+    if sender == "paramiko":
+        which = shutil.which
+        monkeypatch.setattr(shutil, "which", lambda cmd, *a, **kw: None if cmd == "sftp" else which(cmd, *a, **kw))
     src = tmp_path / "ckpt"
     src.mkdir()
-    (src / "config.json").write_text('{"model_type": "x"}')
+    (src / "config.json").write_text(json.dumps({"model_type": "x", "sent_by": sender}))  # not a blob yet
     blob = os.urandom(3 << 20)
     (src / "weights.safetensors").write_bytes(blob)
     source = resolve_source("model", f"orchestrator:{src}", env["access"])
