@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from .base import NoSuchBucket, Store, StoredObject
@@ -30,12 +31,19 @@ def split_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def s3_client(endpoint_url: str | None = None, attempts: int = 8, **kwargs):
-    """A boto3 S3 client: standard retries (5xx, throttling, resets) up to `attempts`, bounded connect and read
-    times, checksums computed and validated where the API supports them. `session=` picks a boto3 Session
-    (a profile); other keyword arguments go to `client()` (keys, region)."""
+def s3_client(endpoint_url: str | None = None, attempts: int | None = None, **kwargs):
+    """A boto3 S3 client: standard retries (5xx, throttling, resets) up to `attempts` (default: the
+    environment's AWS_MAX_ATTEMPTS, else 8), bounded connect and read times, checksums computed and validated
+    where the API supports them. `session=` picks a boto3 Session (a profile); other keyword arguments go to
+    `client()` (keys, region)."""
     import boto3
     from botocore.config import Config
+
+    if attempts is None:
+        try:
+            attempts = max(1, int(os.environ.get("AWS_MAX_ATTEMPTS") or 8))
+        except ValueError:
+            raise ValueError(f"AWS_MAX_ATTEMPTS={os.environ['AWS_MAX_ATTEMPTS']!r}: expected a whole number") from None
 
     config = Config(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=10, read_timeout=60,
                     request_checksum_calculation="when_supported", response_checksum_validation="when_supported")
