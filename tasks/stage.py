@@ -157,10 +157,13 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
         need = sum(s["missing_bytes"] for s in status.values())
         free = min(s["free_bytes"] for s in status.values()) if status else 0
         if need > free:
+            prunable = max(s.get("prunable_bytes", 0) for s in status.values())
+            prune = (f"`{_stage_cmd(host, bundle_sha256, 'prune', [])}` frees {prunable:,} bytes that no staging "
+                     f"used for 14 days, " if prunable else "")
             raise StageFailed(f"host {host.name}: staging needs {need:,} bytes in {cache} ("
                               + ", ".join(f"{r} {s['missing_bytes']:,}" for r, s in status.items())
-                              + f"), which has {free:,} free: nothing sent; free space there, or give it a workdir "
-                              f"on a larger disk", mistake=True)
+                              + f"), which has {free:,} free: nothing sent; {prune}free space there, or give it a "
+                              f"workdir on a larger disk", mistake=True)
         got = {}
         if s3 := [r for r in roles if sources[r].from_s3]:
             timeout = BASE_TIMEOUT_S + sum(status[r]["missing_bytes"] for r in s3) / MIN_RATE

@@ -48,12 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     stage = sub.add_parser("stage", help="stage a source (a dataset or model in S3 or sent over SFTP) into this "
                                          "host's content-addressed cache, verified against its manifest")
-    stage.add_argument("action", choices=("status", "fetch", "place"),
+    stage.add_argument("action", choices=("status", "fetch", "place", "prune"),
                        help="status: bytes missing and free space; fetch: from S3 (ranged GETs); place: verify "
-                            "what was sent into the partial files and make it the blobs")
+                            "what was sent into the partial files and make it the blobs; prune: remove what no "
+                            "staging used for --older-than-days (the --manifest sources kept)")
     stage.add_argument("--cache", type=Path, required=True, help="the cache directory (<workdir>/inputs)")
-    stage.add_argument("--manifest", type=Path, required=True, action="append",
+    stage.add_argument("--manifest", type=Path, action="append", default=[],
                        help="a source's manifest (JSON); one per source, repeated")
+    stage.add_argument("--older-than-days", type=float, default=14.0,
+                       help="prune: the views, blobs and partial files unused for this long (default 14)")
+    stage.add_argument("--dry-run", action="store_true", help="prune: say what would go, remove nothing")
     stage.add_argument("--host", default="this host", help="this host's name, for the messages")
     stage.add_argument("--s3-endpoint", default=None)
     stage.add_argument("--aws-credentials-file", type=Path, default=None,
@@ -168,8 +172,18 @@ def stage_command(args) -> int:
     try:
         manifests = [sources.Manifest.from_json(path.read_text(), str(path)) for path in args.manifest]
         cache = sources.Cache(args.cache)
-        if args.action == "status":
-            out = [{**cache.status(m), "offsets": cache.offsets(m)} for m in manifests]
+        if not manifests and args.action != "prune":
+            print(f"hsextract: stage {args.action} needs --manifest (one per source)", file=sys.stderr)
+            return USAGE_EXIT
+        if args.action == "prune":
+            if not args.older_than_days >= 0:
+                print(f"hsextract: --older-than-days {args.older_than_days}: expected 0 or more", file=sys.stderr)
+                return USAGE_EXIT
+            out = cache.prune(args.older_than_days * 86400, tuple(m.id for m in manifests if m.complete),
+                              args.dry_run)
+        elif args.action == "status":  # and what a prune would free, keeping these sources
+            prunable = cache.prune(keep=tuple(m.id for m in manifests if m.complete), dry_run=True)["bytes"]
+            out = [{**cache.status(m), "offsets": cache.offsets(m), "prunable_bytes": prunable} for m in manifests]
         else:
             if args.action == "fetch":
                 from .store import s3_client

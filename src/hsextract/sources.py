@@ -38,6 +38,7 @@ MANIFEST_VERSION = 1
 PART_BYTES = 16 << 20   # one ranged GET
 THREADS = 8             # ranged GETs in flight per file
 _READ = 8 << 20
+PRUNE_AFTER_S = 14 * 86400  # `hsextract stage prune`'s default: what no staging used for two weeks
 
 
 class StageError(Exception):
@@ -381,6 +382,7 @@ class Cache:
             raise StageError(f"{manifest.source}: a view needs every digest")
         final = self.root / "views" / manifest.id
         if final.is_dir():
+            os.utime(final)  # its last use, for `prune`
             return manifest.target(final)
         tmp = final.with_name(f".{manifest.id}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -399,6 +401,55 @@ class Cache:
         except OSError:  # another process built it first
             shutil.rmtree(tmp, ignore_errors=True)
         return manifest.target(final)
+
+    def prune(self, older_than_s: float = PRUNE_AFTER_S, keep: tuple[str, ...] = (), dry_run: bool = False) -> dict:
+        """Free what no staging has used for `older_than_s`: the views not staged since (their files unlinked;
+        the ids in `keep` stay whatever their age), then the blobs that no view left links to and that were not
+        written since (a staging under way keeps what it just placed), the partial files not appended to since,
+        and the digests recorded for blobs that are gone. What was removed (with `dry_run`: would be), and its
+        bytes (blobs and partial files: a view's links hold no bytes of their own)."""
+        cutoff = time.time() - older_than_s
+        out = {"views": 0, "blobs": 0, "partial": 0, "bytes": 0, "kept_views": 0, "kept_blobs": 0}
+        views = self.root / "views"
+        pruned: set[Path] = set()
+        for view in sorted(views.iterdir()) if views.is_dir() else ():
+            if view.name in keep or view.lstat().st_mtime >= cutoff:
+                out["kept_views"] += 1
+                continue
+            pruned.add(view)
+            out["views"] += not view.name.startswith(".")  # a view left half-built by a killed staging: no count
+            if not dry_run:
+                shutil.rmtree(view)
+        links: dict[tuple, int] = {}  # inode -> its hard links from the views pruned (a dry run counts them off)
+        linked = set()  # blobs symlinked from the views kept (where the file system has no hard links)
+        for p in views.rglob("*") if views.is_dir() else ():
+            if p.is_symlink():
+                if views / p.relative_to(views).parts[0] not in pruned:
+                    linked.add(os.path.realpath(p))
+            elif p.is_file() and views / p.relative_to(views).parts[0] in pruned:
+                st = p.stat()
+                links[st.st_dev, st.st_ino] = links.get((st.st_dev, st.st_ino), 0) + 1
+        for blob in sorted((self.root / "blobs").glob("*/*")):
+            st = blob.stat()
+            others = st.st_nlink - 1 - links.get((st.st_dev, st.st_ino), 0)  # links from the views kept
+            if others > 0 or st.st_mtime >= cutoff or os.path.realpath(blob) in linked:
+                out["kept_blobs"] += 1
+                continue
+            if not dry_run:
+                blob.unlink()
+            out["blobs"] += 1
+            out["bytes"] += st.st_size
+        for part in sorted((self.root / "partial").glob("*")):
+            st = part.stat()
+            if part.is_file() and st.st_mtime < cutoff:
+                if not dry_run:
+                    part.unlink()
+                out["partial"] += 1
+                out["bytes"] += st.st_size
+        for known in sorted((self.root / "known").glob("*")) if not dry_run else ():
+            if not self.blob(known.read_text().strip()).exists():
+                known.unlink()
+        return out
 
     # ------------------------------------------------------------------------------------------- fetch from S3
 

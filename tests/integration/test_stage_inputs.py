@@ -201,13 +201,22 @@ def test_an_object_deleted_after_the_plan_is_named_on_its_host(env):
 def test_a_host_without_the_space_fails_before_a_byte_is_sent(env):
     sources = resolve_sources({"model": f"s3://{BUCKET}/models/tiny/", "data": "/somewhere/on/the/hosts"},
                               env["access"])
-    with pytest.raises(StageFailed) as err:
-        stage_on(env, "small", sources)
-    text = str(err.value)
-    assert err.value.mistake and "host small" in text and "nothing sent" in text
-    assert f"needs {sources['model'].manifest.size:,} bytes" in text
-    cache = Path(cache_dir(str(env["base"] / "w-small")))
-    assert not any(p.is_file() for p in (cache / "partial").rglob("*"))
+    cache = cache_dir(str(env["base"] / "w-small"))  # a tmpfs seen only in the host's own mount namespace
+    abandoned = f"{cache}/partial/abandoned.part"  # a staging given up on a month ago
+    with connect(env["inventory"].host("small"), env["inventory"]) as host:
+        assert host.run(f"mkdir -p {cache}/partial && head -c 16384 /dev/zero > {abandoned} && "
+                        f"touch -d '30 days ago' {abandoned}", 30).ok
+        with pytest.raises(StageFailed) as err:
+            stage_host(host, sources, env["bundle"].sha256, env["access"])
+        text = str(err.value)
+        assert err.value.mistake and "host small" in text and "nothing sent" in text
+        assert f"needs {sources['model'].manifest.size:,} bytes" in text
+        assert host.run(f"find {cache}/partial -type f", 30).stdout.split() == [abandoned]
+        # the message names the command that frees what no staging used lately, and it does
+        assert "frees 16,384 bytes that no staging used for 14 days" in text
+        done = host.run(text.split("`")[1], 60)
+        assert done.ok and json.loads(done.stdout.removeprefix("STAGE "))["bytes"] == 16384, done
+        assert host.run(f"find {cache}/partial -type f", 30).stdout.split() == []
 
 
 def test_a_model_without_config_json_is_refused_before_any_host(env, tmp_path):
