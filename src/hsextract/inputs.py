@@ -106,9 +106,9 @@ def _jsonl_rows(path: Path, kind: str) -> Iterator[tuple[int, bytes]]:
                          f"({type(exc).__name__}: {exc})") from None
 
 
-def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator[tuple[int, dict]]:
-    from .records import id_value
-
+def _arrow_batches(root: Path, files: list[Path], kind: str) -> Iterator[tuple[dict, object]]:
+    """(columns, record batch) of every batch of the Arrow files, in order; every file's columns checked
+    against the first's. A file that cannot be read is named with the row reached."""
     try:
         import pyarrow.ipc as ipc
         import pyarrow.parquet as pq
@@ -135,22 +135,54 @@ def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator
                 raise UsageError(f"--data {str(root)!r}: {path.name} and {first[0].name} have different columns "
                                  f"({', '.join(f'{n}: {t}' for n, t in differ[:6])}): one schema across the files")
             for batch in batches:
-                if keep is None or "id" not in columns:
-                    for item in batch.to_pylist():
-                        row += 1
-                        yield row, _arrow_record(item)
-                    continue
-                # its own id kept, or none of its own (its content's hash is its id: records.py decides)
-                wanted = [i for i, v in enumerate(batch.column("id").to_pylist())
-                          if (found := id_value(v)) is None or keep(found)]
-                for i, item in zip(wanted, batch.take(wanted).to_pylist()):
-                    yield row + i + 1, _arrow_record(item)
+                yield columns, batch
                 row += batch.num_rows
         except UsageError:
             raise
         except Exception as exc:  # pyarrow's ArrowInvalid, OSError...: the file and the row reached
             raise UsageError(f"--data {str(root)!r}: {path.name} cannot be read past row {row} "
                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator[tuple[int, dict]]:
+    from .records import id_value
+
+    row = 0
+    for columns, batch in _arrow_batches(root, files, kind):
+        if keep is None or "id" not in columns:
+            for i, item in enumerate(batch.to_pylist(), start=row + 1):
+                yield i, _arrow_record(item)
+        else:  # its own id kept, or none of its own (its content's hash is its id: records.py decides)
+            wanted = [i for i, v in enumerate(batch.column("id").to_pylist())
+                      if (found := id_value(v)) is None or keep(found)]
+            for i, item in zip(wanted, batch.take(wanted).to_pylist()):
+                yield row + i + 1, _arrow_record(item)
+        row += batch.num_rows
+
+
+def id_rows(path: Path) -> Iterator[tuple[int, str | None, bytes | dict | None]]:
+    """(row number, the row's own id or None, the row where its id is not known without it) of every row, as
+    `rows` numbers them: an Arrow row with an `id` of its own costs its id column alone; a JSONL line, or a row
+    without an id of its own, comes whole (its id is inside it, or the hash of its content)."""
+    from .records import id_value
+
+    kind, files = dataset_files(path)
+    if kind.startswith("jsonl"):
+        for row, raw in _jsonl_rows(files[0], kind):
+            yield row, None, raw
+        return
+    row = 0
+    for columns, batch in _arrow_batches(path, files, kind):
+        if "id" not in columns:
+            for i, item in enumerate(batch.to_pylist(), start=row + 1):
+                yield i, None, _arrow_record(item)
+        else:
+            found = [id_value(v) for v in batch.column("id").to_pylist()]
+            whole = [i for i, f in enumerate(found) if f is None]
+            items = dict(zip(whole, batch.take(whole).to_pylist())) if whole else {}
+            for i, f in enumerate(found):
+                yield row + i + 1, f, None if f is not None else _arrow_record(items[i])
+        row += batch.num_rows
 
 
 def _arrow_record(item: dict) -> dict:

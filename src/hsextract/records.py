@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .inputs import rows
+from .inputs import id_rows, rows
 
 # ShareGPT speaker names and the chat-template roles they stand for.
 ROLE_ALIASES = {
@@ -85,7 +85,10 @@ def record_id(obj: dict) -> str:
 
 def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
     """(sample id, row) of every row, exactly the ids `iter_records` gives, without validating."""
-    for row, raw in rows(Path(path)):
+    for row, found, raw in id_rows(Path(path)):
+        if found is not None:  # an Arrow row's own id, read from its id column alone
+            yield found, row
+            continue
         if isinstance(raw, dict):
             yield record_id(raw), row
             continue
