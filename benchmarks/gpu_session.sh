@@ -1,7 +1,9 @@
 #!/bin/bash
 # The GPU measurements of issue 20, in parts that each fit one device call (10 minutes), on one machine:
-#   bash benchmarks/gpu_session.sh 1   # the 32-layer table: bf16 and fp8 workers, the GPU ceiling over all the
-#                                      # run's batches, clocks and power per phase (~9 min)
+#   bash benchmarks/gpu_session.sh 1   # the 32-layer table: the bf16 worker, the GPU ceiling over all the
+#                                      # run's batches, clocks and power per phase (~8 min)
+#   bash benchmarks/gpu_session.sh 7   # after 1 on the same machine: the fp8 worker over the same data (its
+#                                      # ratios from part 1's ceilings: fp8_ratios.py), then correctness (~8 min)
 #   bash benchmarks/gpu_session.sh 2   # correctness with the worker's kernels; the 64-layer bare forward's MFU
 #   bash benchmarks/gpu_session.sh 3   # model load against a raw read (32 layers, ~27 GB), tuned host or not
 #   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
@@ -50,9 +52,14 @@ PY
 }
 case "$1" in
 1)
-    timeout 580 python3 benchmarks/gpu_throughput.py --sustained --no-reference --fp8 --ceiling-batches 24 \
+    timeout 580 python3 benchmarks/gpu_throughput.py --sustained --no-reference --ceiling-batches 24 \
         --naive-samples 3 --json "$OUT/tp32.json" 2>&1 | quiet | tee "$OUT/tp32.log"
     clocks "$OUT/tp32.json" | tee -a "$OUT/tp32.log" ;;
+7)
+    timeout 330 python3 benchmarks/gpu_throughput.py --worker-only --fp8-only --json "$OUT/fp8.json" 2>&1 | quiet \
+        | tee "$OUT/fp8.log"
+    clocks "$OUT/fp8.json" | tee -a "$OUT/fp8.log"
+    timeout 240 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log" ;;
 2)
     timeout 240 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log"
     timeout 300 python3 benchmarks/gpu_throughput.py --model-layers 64 --bare-only --no-reference \
@@ -73,6 +80,6 @@ from tasks.commands import facts_cmd, parse_facts
 out = subprocess.run(['sh', '-c', facts_cmd('/tmp/hsx-w', '/tmp')], capture_output=True, text=True).stdout
 print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null
