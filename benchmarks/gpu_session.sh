@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
 #   bash benchmarks/gpu_session.sh 5   # torch.compile of the decoder layers beside the bare forward (32 layers)
 #   bash benchmarks/gpu_session.sh 6   # the preflight's GPU facts (nvidia-smi, parsed as the preflight does)
+#   bash benchmarks/gpu_session.sh 8   # the bare forward quiet, beside the worker's host work, quiet again (~5 min)
 # Needs flash-linear-attention and fla-core 0.6.0 as wheels in .whl/ (carried to the device); writes its logs
 # and JSON to $OUT (default ./gpu-out). Every figure of a part comes from the one machine that ran it.
 set -o pipefail
@@ -79,7 +80,11 @@ import subprocess
 from tasks.commands import facts_cmd, parse_facts
 out = subprocess.run(['sh', '-c', facts_cmd('/tmp/hsx-w', '/tmp')], capture_output=True, text=True).stdout
 print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
+8)
+    timeout 400 python3 benchmarks/gpu_throughput.py --bare-only --no-reference --host-load --ceiling-batches 48 \
+        --json "$OUT/load.json" 2>&1 | quiet | tee "$OUT/hostload.log"
+    clocks "$OUT/load.json" | tee -a "$OUT/hostload.log" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null

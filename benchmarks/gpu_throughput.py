@@ -144,15 +144,92 @@ def spread(every: list, n: int) -> list:
     return [every[i * (len(every) - 1) // (n - 1)] for i in range(n)]
 
 
+class HostLoad:
+    """The worker's host-side work without the worker, beside a forward loop: one thread copying device memory
+    into a pinned buffer on a side stream, `hashers` threads hashing and one thread writing + fsyncing random
+    bytes, each at `rate` bytes/s (the worker's output rate at the GPU's pace). Does the forward slow down when
+    the host is this busy? (The worker's device is idler inside its forwards than the bare forward's.)"""
+
+    def __init__(self, where: Path, rate: float, hashers: int = 3, part: int = 256 << 20):
+        import threading
+
+        self.where, self.rate, self.hashers, self.part = where, rate, hashers, part
+        self.stop = threading.Event()
+        self.noise = os.urandom(part)
+        self.moved = {"copied": 0, "hashed": 0, "written": 0}
+        jobs = [self._copy, self._write] + [self._hash] * hashers
+        self.threads = [threading.Thread(target=job, daemon=True) for job in jobs]
+
+    def _paced(self, began: float, share: float) -> None:
+        """Sleep so that `part` bytes per call make `share` of the rate."""
+        self.stop.wait(max(0.0, self.part / (self.rate * share) - (time.perf_counter() - began)))
+
+    def _copy(self) -> None:
+        src = torch.empty(self.part, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(self.part, dtype=torch.uint8, pin_memory=True)
+        stream = torch.cuda.Stream()
+        while not self.stop.is_set():
+            began = time.perf_counter()
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+            self.moved["copied"] += self.part
+            self._paced(began, 1.0)
+
+    def _hash(self) -> None:
+        import hashlib
+
+        while not self.stop.is_set():
+            began = time.perf_counter()
+            hashlib.sha256(self.noise).digest()
+            self.moved["hashed"] += self.part
+            self._paced(began, 1.0 / self.hashers)
+
+    def _write(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            began = time.perf_counter()
+            path = self.where / f"load-{n % 2}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            try:
+                view = memoryview(self.noise)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.moved["written"] += self.part
+            n += 1
+            self._paced(began, 1.0)
+
+    def __enter__(self) -> "HostLoad":
+        self.where.mkdir(parents=True, exist_ok=True)
+        self.began = time.perf_counter()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        seconds = time.perf_counter() - self.began
+        self.rates = {k: v / seconds for k, v in self.moved.items()}
+        shutil.rmtree(self.where, ignore_errors=True)
+
+
 def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: bool = False,
-                     compiled: bool = False, reference: bool = True, sustained=None, budget: int = 8192) -> dict:
+                     compiled: bool = False, reference: bool = True, sustained=None, budget: int = 8192,
+                     host_load: tuple[Path, int] | None = None) -> dict:
     """The bare forward (the GPU ceiling, with the kernels the worker uses) and the capture, on the same model and
     batches; side by side, the bare forward with transformers' reference causal convolution and, with
     `compiled`, with every decoder layer under torch.compile (dynamic shapes), each with the relative error
     of the first batch's last layer against the worker's kernels; and fla's convolution against the reference
     in fp32 on one layer's weights. With `sustained` (batches), the bare forward is timed over those instead (e.g.
-    all the run's batches: the same work as the worker, for as long). The kernels are warmed for every batch size
-    as the worker warms them. Returns tok/s figures and more."""
+    all the run's batches: the same work as the worker, for as long). With `host_load` (a scratch directory, bytes
+    per token), the bare forward over `packed` is timed quiet, then beside a `HostLoad` at the worker's output
+    rate, then quiet again. The kernels are warmed for every batch size as the worker warms them. Returns tok/s
+    figures and more."""
     from hsextract.kernels import fla_causal_conv1d, reference_conv, restore_reference_conv, use_fla_conv
 
     from hsextract.batching import batch_size_buckets
@@ -224,6 +301,22 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         else:
             out["bare"] = bare_tokens / timed(lambda: run_bare(bare_inputs))
     bare_inputs = None  # noqa: F841 - freed before the variants
+    if host_load:
+        where, per_token = host_load
+        loaded = {}
+        for name in ("quiet", "host load", "quiet again"):
+            with phase(f"bare forward, {name}"):
+                if name == "host load":
+                    with HostLoad(where, out["bare"] * per_token) as load:
+                        loaded[name] = tokens / timed(run_bare)
+                    loaded["load_rates"] = load.rates
+                else:
+                    loaded[name] = tokens / timed(run_bare)
+        out["host_load"] = loaded
+        print(f"bare forward over {len(packed)} batches: quiet {loaded['quiet']:,.0f} tok/s, beside the worker's host "
+              f"work {loaded['host load']:,.0f} ({loaded['host load'] / loaded['quiet']:.3f}x; copied / hashed / "
+              f"written " + " / ".join(f"{v / 2**30:.2f}" for v in loaded["load_rates"].values()) + " GiB/s), quiet "
+              f"again {loaded['quiet again']:,.0f}", flush=True)
     want = first_state()
     variants = {}
     if capture.kernels and reference:  # the worker switched the conv to fla's kernel: the reference beside it
@@ -453,6 +546,9 @@ def main() -> int:
                     help="also measure the bare forward with every decoder layer under torch.compile")
     ap.add_argument("--worker-only", action="store_true",
                     help="only the worker (and with --fp8 its fp8 run): summaries, steady state, stage timings")
+    ap.add_argument("--host-load", action="store_true",
+                    help="also time the bare forward over the ceiling batches beside the worker's host work (copy "
+                         "out, hash, write + fsync at its output rate), between two quiet timings")
     ap.add_argument("--oom-budget", type=int, default=0,
                     help="also run the worker with this huge token budget: it must split batches on CUDA OOM")
     args = ap.parse_args()
@@ -489,7 +585,8 @@ def main() -> int:
     # lengths (attention grows with them; a delta-rule chunk is 64 tokens however short the samples)
     packed = spread(every, args.ceiling_batches)
     ceilings = bare_and_capture(model_dir, layer_ids, packed, args.bare_only, args.compile, not args.no_reference,
-                                every if args.sustained else None, args.token_budget)
+                                every if args.sustained else None, args.token_budget,
+                                (out.parent / "load", width * 2) if args.host_load else None)
     bare_tps, capture_tps, params, made_s = (ceilings["bare"], ceilings.get("capture", 0.0), ceilings["params"],
                                              ceilings["made_s"])
     mfu = 2 * params * bare_tps / (args.peak_tflops * 1e12)
@@ -506,7 +603,8 @@ def main() -> int:
     if args.bare_only:
         if args.json:
             args.json.write_text(json.dumps({"bare": bare_tps, "params": params, "mfu": mfu, "made_s": made_s,
-                                             "variants": ceilings["variants"]}))
+                                             "variants": ceilings["variants"], "host_load": ceilings.get("host_load"),
+                                             "phases": PHASES}))
         shutil.rmtree(work, ignore_errors=True)
         return 0
     bf16_bytes, fp8_bytes = width * 2, fp8_bytes_per_token(width, len(layer_ids))
