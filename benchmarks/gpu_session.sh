@@ -87,4 +87,4 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
 *)
     echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8"; exit 2 ;;
 esac
-kill $SMI 2>/dev/null
+kill $SMI 2>/dev/null || true  # clocks() may have stopped it already
