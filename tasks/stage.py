@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsextract.options import WorkerOptions
-from hsextract.sources import (Cache, Manifest, StageError, local_manifest, manifest_uri, s3_manifest,
+from hsextract.sources import (PRUNE_AFTER_S, Cache, Manifest, StageError, local_manifest, manifest_uri, s3_manifest,
                                write_s3_manifest)
 
 from .commands import hsextract_cmd, quote
@@ -159,7 +159,7 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
         if need > free:
             prunable = max(s.get("prunable_bytes", 0) for s in status.values())
             prune = (f"`{_stage_cmd(host, bundle_sha256, 'prune', [])}` frees {prunable:,} bytes that no staging "
-                     f"used for 14 days, " if prunable else "")
+                     f"used for {PRUNE_AFTER_S // 86400} days, " if prunable else "")
             raise StageFailed(f"host {host.name}: staging needs {need:,} bytes in {cache} ("
                               + ", ".join(f"{r} {s['missing_bytes']:,}" for r, s in status.items())
                               + f"), which has {free:,} free: nothing sent; {prune}free space there, or give it a "
