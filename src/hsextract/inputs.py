@@ -78,7 +78,7 @@ def rows(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tupl
     if kind.startswith("jsonl"):
         yield from _jsonl_rows(files[0], kind)
     else:
-        yield from _arrow_rows(path, files, kind, keep)
+        yield from ((row, record) for row, _, record in _arrow_rows(path, files, kind, keep) if record is not None)
 
 
 def _open_text(path: Path, kind: str):
@@ -144,19 +144,25 @@ def _arrow_batches(root: Path, files: list[Path], kind: str) -> Iterator[tuple[d
                              f"({type(exc).__name__}: {exc})") from None
 
 
-def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator[tuple[int, dict]]:
+def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator[tuple[int, str | None, dict | None]]:
+    """(row number, its own id, the row as a record) of every Arrow row. Without `keep` every row comes whole (its
+    id left to the record: None here). With `keep(id)` and an `id` column, each row's id is read from that column
+    alone, and only a row that `keep` takes, or that has no id of its own (its content's hash is its id:
+    records.py decides), comes whole; the others' record is None."""
     from .records import id_value
 
     row = 0
     for columns, batch in _arrow_batches(root, files, kind):
         if keep is None or "id" not in columns:
             for i, item in enumerate(batch.to_pylist(), start=row + 1):
-                yield i, _arrow_record(item)
-        else:  # its own id kept, or none of its own (its content's hash is its id: records.py decides)
-            wanted = [i for i, v in enumerate(batch.column("id").to_pylist())
-                      if (found := id_value(v)) is None or keep(found)]
-            for i, item in zip(wanted, batch.take(wanted).to_pylist()):
-                yield row + i + 1, _arrow_record(item)
+                yield i, None, _arrow_record(item)
+        else:
+            found = [id_value(v) for v in batch.column("id").to_pylist()]
+            whole = [i for i, f in enumerate(found) if f is None or keep(f)]
+            items = dict(zip(whole, batch.take(whole).to_pylist())) if whole else {}
+            for i, f in enumerate(found):
+                item = items.get(i)
+                yield row + i + 1, f, None if item is None else _arrow_record(item)
         row += batch.num_rows
 
 
@@ -164,25 +170,12 @@ def id_rows(path: Path) -> Iterator[tuple[int, str | None, bytes | dict | None]]
     """(row number, the row's own id or None, the row where its id is not known without it) of every row, as
     `rows` numbers them: an Arrow row with an `id` of its own costs its id column alone; a JSONL line, or a row
     without an id of its own, comes whole (its id is inside it, or the hash of its content)."""
-    from .records import id_value
-
     kind, files = dataset_files(path)
     if kind.startswith("jsonl"):
         for row, raw in _jsonl_rows(files[0], kind):
             yield row, None, raw
-        return
-    row = 0
-    for columns, batch in _arrow_batches(path, files, kind):
-        if "id" not in columns:
-            for i, item in enumerate(batch.to_pylist(), start=row + 1):
-                yield i, None, _arrow_record(item)
-        else:
-            found = [id_value(v) for v in batch.column("id").to_pylist()]
-            whole = [i for i, f in enumerate(found) if f is None]
-            items = dict(zip(whole, batch.take(whole).to_pylist())) if whole else {}
-            for i, f in enumerate(found):
-                yield row + i + 1, f, None if f is not None else _arrow_record(items[i])
-        row += batch.num_rows
+    else:
+        yield from _arrow_rows(path, files, kind, keep=lambda _id: False)
 
 
 def _arrow_record(item: dict) -> dict:
