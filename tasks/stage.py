@@ -126,13 +126,23 @@ def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifests: list[str]
                           *(a for m in manifests for a in ("--manifest", m)), "--host", host.name, *extra])
 
 
-def _run_stage(host: Host, command: str, timeout: float, what: str) -> list[dict]:
+def _run_stage(host: Host, command: str, timeout: float, what: str) -> list[dict] | dict:
     result = host.run(command, timeout)
     line = next((l for l in result.stdout.splitlines() if l.startswith("STAGE ")), None)
     if result.ok and line is not None:
         return json.loads(line[6:])
     raise StageFailed(f"host {host.name}: staging {what}: {said(result).removeprefix('hsextract: ')}",
                       result.describe(), mistake=result.returncode == 2)
+
+
+def _prunable(host: Host, bundle_sha256: str, manifests: list[str]) -> int:
+    """The bytes `hsextract stage prune` would free in the host's cache, keeping these sources; 0 when the dry run
+    fails (it only adds to a message about the space)."""
+    try:
+        return _run_stage(host, _stage_cmd(host, bundle_sha256, "prune", manifests, ["--dry-run"]), BASE_TIMEOUT_S,
+                          "a dry run of prune")["bytes"]
+    except (StageFailed, HostError):
+        return 0
 
 
 def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, access: S3Access, log=None,
@@ -157,7 +167,7 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
         need = sum(s["missing_bytes"] for s in status.values())
         free = min(s["free_bytes"] for s in status.values()) if status else 0
         if need > free:
-            prunable = max(s.get("prunable_bytes", 0) for s in status.values())
+            prunable = _prunable(host, bundle_sha256, list(manifests.values()))
             prune = (f"`{_stage_cmd(host, bundle_sha256, 'prune', [])}` frees {prunable:,} bytes that no staging "
                      f"used for {PRUNE_AFTER_S // 86400} days, " if prunable else "")
             raise StageFailed(f"host {host.name}: staging needs {need:,} bytes in {cache} ("

@@ -181,9 +181,8 @@ def stage_command(args) -> int:
                 return USAGE_EXIT
             out = cache.prune(args.older_than_days * 86400, tuple(m.id for m in manifests if m.complete),
                               args.dry_run)
-        elif args.action == "status":  # and what a prune would free, keeping these sources
-            prunable = cache.prune(keep=tuple(m.id for m in manifests if m.complete), dry_run=True)["bytes"]
-            out = [{**cache.status(m), "offsets": cache.offsets(m), "prunable_bytes": prunable} for m in manifests]
+        elif args.action == "status":
+            out = [{**cache.status(m), "offsets": cache.offsets(m)} for m in manifests]
         else:
             if args.action == "fetch":
                 from .store import s3_client

@@ -422,13 +422,15 @@ class Cache:
                 shutil.rmtree(view)
         links: dict[tuple, int] = {}  # inode -> its hard links from the views pruned (a dry run counts them off)
         linked = set()  # blobs symlinked from the views kept (where the file system has no hard links)
-        for p in views.rglob("*") if views.is_dir() else ():
-            if p.is_symlink():
-                if views / p.relative_to(views).parts[0] not in pruned:
-                    linked.add(os.path.realpath(p))
-            elif p.is_file() and views / p.relative_to(views).parts[0] in pruned:
-                st = p.stat()
-                links[st.st_dev, st.st_ino] = links.get((st.st_dev, st.st_ino), 0) + 1
+        for view in sorted(views.iterdir()) if views.is_dir() else ():
+            gone = view in pruned
+            for p in view.rglob("*"):
+                if p.is_symlink():
+                    if not gone:
+                        linked.add(os.path.realpath(p))
+                elif gone and p.is_file():
+                    st = p.stat()
+                    links[st.st_dev, st.st_ino] = links.get((st.st_dev, st.st_ino), 0) + 1
         for blob in sorted((self.root / "blobs").glob("*/*")):
             st = blob.stat()
             others = st.st_nlink - 1 - links.get((st.st_dev, st.st_ino), 0)  # links from the views kept
