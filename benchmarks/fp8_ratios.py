@@ -1,6 +1,6 @@
 """The fp8 worker's ratios to the GPU ceiling, from two runs on one machine (`gpu_session.sh 1`, then `7`):
 
-    python3 benchmarks/fp8_ratios.py tp32.json fp8.json [--samples 2000] [--token-budget 8192]
+    PYTHONPATH=src python3 benchmarks/fp8_ratios.py tp32.json fp8.json [--samples 2000] [--token-budget 8192]
 
 `tp32.json` (gpu_throughput.py --sustained) holds the bare forward's rate and each batch's device time over all
 the run's batches; `fp8.json` (gpu_throughput.py --worker-only --fp8-only) the fp8 worker over the same data.
