@@ -9,7 +9,9 @@
 #   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
 #   bash benchmarks/gpu_session.sh 5   # torch.compile of the decoder layers beside the bare forward (32 layers)
 #   bash benchmarks/gpu_session.sh 6   # the preflight's GPU facts (nvidia-smi, parsed as the preflight does)
-#   bash benchmarks/gpu_session.sh 8   # the bare forward quiet, beside the worker's host work, quiet again (~5 min)
+#   bash benchmarks/gpu_session.sh 8   # the host syncs in a forward; the bare forward with the worker's masks made
+#                                      # once and with the model's own; quiet, beside the worker's host work, quiet
+#                                      # again (~5 min)
 # Needs flash-linear-attention and fla-core 0.6.0 as wheels in .whl/ (carried to the device); writes its logs
 # and JSON to $OUT (default ./gpu-out). Every figure of a part comes from the one machine that ran it.
 set -o pipefail
@@ -60,9 +62,11 @@ case "$1" in
     timeout 330 python3 benchmarks/gpu_throughput.py --worker-only --fp8-only --json "$OUT/fp8.json" 2>&1 | quiet \
         | tee "$OUT/fp8.log"
     clocks "$OUT/fp8.json" | tee -a "$OUT/fp8.log"
-    timeout 240 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log" ;;
+    timeout 240 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
+        | grep "model loaded\|kernels warmed" | tail -2; tail -8 "$OUT/correct-full.log" | tee "$OUT/correct.log" ;;
 2)
-    timeout 240 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tail -8 | tee "$OUT/correct.log"
+    timeout 240 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
+        | grep "model loaded\|kernels warmed" | tail -2; tail -8 "$OUT/correct-full.log" | tee "$OUT/correct.log"
     timeout 300 python3 benchmarks/gpu_throughput.py --model-layers 64 --bare-only --no-reference \
         --ceiling-batches 12 --json "$OUT/tp64.json" 2>&1 | quiet | tee "$OUT/tp64.log" ;;
 3)

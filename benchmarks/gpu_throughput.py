@@ -29,6 +29,7 @@ with lognormal lengths (median ~1K, max 4096). Then, on the same model and data,
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -218,6 +219,56 @@ class HostLoad:
         shutil.rmtree(self.where, ignore_errors=True)
 
 
+def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> dict[str, dict[str, int]]:
+    """Where one batch makes the host wait for the GPU (torch's sync debug mode): the bare forward with the worker's
+    masks made once, with the model's own, and the worker's whole device-side step (`LayerCapture.run` with its
+    hooks, the NaN flags, fp8's quantization). Returns {way: {"file:line": count}}, printed."""
+    import warnings
+
+    from hsextract.extract import ShardRun
+    from hsextract.quant import quantize
+
+    ids = torch.zeros(len(batch), max(len(s) for s in batch), dtype=torch.long)
+    for row, s in enumerate(batch):
+        ids[row, : len(s)] = torch.tensor(s)
+    ids = ids.cuda()
+
+    def worker_step():
+        for i, h in hooks.items():
+            capture.backbone.layers[i]._forward_hooks.update(h)
+        try:
+            states = capture.run(batch)
+            ShardRun.nonfinite_flags(batch, states)
+            quantize(states["hidden_states"], capture.hidden_size)
+        finally:
+            for i in hooks:
+                capture.backbone.layers[i]._forward_hooks.clear()
+
+    found, made_once = {}, capture.masks
+    ways = {"bare forward, masks made once": (made_once, lambda: capture.forward(ids)),
+            "bare forward, the model's own masks": (None, lambda: capture.forward(ids)),
+            "the worker's step (run, NaN flags, fp8)": (made_once, worker_step)}
+    for way, (masks, step) in ways.items():
+        if way.endswith("made once") and masks is None:
+            continue
+        capture.masks = masks
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                capture.masks = made_once
+        sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                    if "synchroniz" in str(w.message))
+        found[way] = dict(sites)
+        print(f"host syncs in one batch, {way}: {sum(sites.values())} "
+              f"{dict(sites.most_common(8)) if sites else ''}", flush=True)
+    return found
+
+
 def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: bool = False,
                      compiled: bool = False, reference: bool = True, sustained=None, budget: int = 8192,
                      host_load: tuple[Path, int] | None = None) -> dict:
@@ -263,11 +314,11 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     @torch.inference_mode()
     def run_bare(over=inputs):
         for ids in over:
-            capture.backbone(input_ids=ids, use_cache=False)
+            capture.forward(ids)
 
     @torch.inference_mode()
     def first_state():
-        return capture.backbone(input_ids=inputs[0], use_cache=False).last_hidden_state
+        return capture.forward(inputs[0]).last_hidden_state
 
     @torch.inference_mode()
     def run_capture():
@@ -293,7 +344,7 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
             with torch.inference_mode():
                 marks[0].record()
                 for ids, mark in zip(bare_inputs, marks[1:]):
-                    capture.backbone(input_ids=ids, use_cache=False)
+                    capture.forward(ids)
                     mark.record()
             torch.cuda.synchronize()
             out["bare"] = bare_tokens / (time.perf_counter() - started)
@@ -318,7 +369,14 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
               f"written " + " / ".join(f"{v / 2**30:.2f}" for v in loaded["load_rates"].values()) + " GiB/s), quiet "
               f"again {loaded['quiet again']:,.0f}", flush=True)
     want = first_state()
+    out["syncs"] = host_syncs(capture, packed[0], hooks)
     variants = {}
+    if capture.masks is not None:  # the worker's masks made once, against the model's own (a host sync a forward)
+        masks, capture.masks = capture.masks, None
+        with phase("bare forward, the model's own masks"):
+            variants["the model's own attention masks (a host sync per forward)"] = (
+                tokens / timed(run_bare), rel_err(first_state(), want), 0.0)
+        capture.masks = masks
     if capture.kernels and reference:  # the worker switched the conv to fla's kernel: the reference beside it
         linear = next(m for m in capture.backbone.modules() if hasattr(m, "conv1d"))
         reference = reference_conv(linear)
@@ -604,6 +662,7 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps({"bare": bare_tps, "params": params, "mfu": mfu, "made_s": made_s,
                                              "variants": ceilings["variants"], "host_load": ceilings.get("host_load"),
+                                             "syncs": ceilings.get("syncs"),
                                              "phases": PHASES}))
         shutil.rmtree(work, ignore_errors=True)
         return 0
@@ -689,6 +748,7 @@ def main() -> int:
                                          "naive": naive_tps, "ratio": worker_tps / ceiling, "steady": steady_tps,
                                          "steady_ceiling": steady_ceiling, "batch_s": ceilings.get("batch_s"),
                                          "variants": ceilings["variants"], "kernels": ceilings["kernels"],
+                                         "syncs": ceilings.get("syncs"),
                                          "summary": summary, "fp8": fp8, "oom": oom, "phases": PHASES,
                                          "warm_s": ceilings.get("warm_s")}, indent=1))
     shutil.rmtree(work, ignore_errors=True)

@@ -77,6 +77,9 @@ class LayerCapture:
         del model  # drops lm_head (unless tied to the embeddings)
         self._out: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
+        self.masks = _masks_made_once(self.backbone, config.get_text_config(), self.info.vocab_size, self.device)
+        if self.masks is not None:
+            self.kernels.append("attention masks made once (no host sync per batch)")
         for slot, layer_id in enumerate(layer_ids):
             self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
 
@@ -107,6 +110,12 @@ class LayerCapture:
 
         return capture
 
+    def forward(self, ids_BT: torch.Tensor):
+        """The decoder stack over a right-padded batch of token ids (hooks fire, no cache); its output."""
+        if self.masks is None:
+            return self.backbone(input_ids=ids_BT, use_cache=False)
+        return self.backbone(input_ids=ids_BT, attention_mask=self.masks, use_cache=False)
+
     @torch.inference_mode()
     def run(self, samples: list[list[int]]) -> dict[str, torch.Tensor]:
         """Forward one right-padded batch; returns states of real tokens only, concatenated in order.
@@ -126,7 +135,7 @@ class LayerCapture:
         self._rows = rows_T
         self._out = torch.empty(len(rows_T), self.width, dtype=self.dtype, device=self.device)
         try:
-            result = self.backbone(input_ids=ids_BT.to(self.device, non_blocking=True), use_cache=False)
+            result = self.forward(ids_BT.to(self.device, non_blocking=True))
             out = {"hidden_states": self._out}
             if self.include_last:
                 last_BTH = result.last_hidden_state
@@ -134,6 +143,37 @@ class LayerCapture:
             return out
         finally:
             self._out = self._rows = None
+
+
+#: layer kinds whose mask a causal batch without padding or packing needs none of (sdpa and flash attention
+#: take "causal" as a flag; a recurrent layer masks only padding); a sliding window needs a real mask
+_UNMASKED_KINDS = {"full_attention", "linear_attention"}
+
+
+def _masks_made_once(backbone: nn.Module, text_config, vocab_size: int, device: torch.device) -> dict | None:
+    """The attention masks every batch of the worker gets, made once, or None when the model must make them.
+
+    transformers makes a batch's masks in its forward, and to tell packed sequences from one sequence per
+    row it reads a value back from the GPU (`find_packed_sequence_indices`): a host sync at the start of
+    every forward, so the host cannot queue the next batch while the GPU runs this one, and any host
+    hiccup is GPU idle time. A right-padded causal batch needs no mask at all in sdpa/flash attention and
+    linear-attention layers (what the model makes then is None for each kind). The models that take a
+    mapping from layer kind to mask in `attention_mask` use it as it is. The mapping of Nones is used only
+    where every layer is of such a kind and it gives bit-identical states to the model's own masks on a
+    test batch (an eager-attention model, which needs a real causal mask, fails that and keeps its own)."""
+    kinds = set(getattr(text_config, "layer_types", None) or ())
+    if not kinds or not kinds <= _UNMASKED_KINDS:
+        return None
+    masks = dict.fromkeys(sorted(kinds))
+    generator = torch.Generator().manual_seed(0)
+    ids_BT = torch.randint(0, vocab_size, (2, 48), generator=generator).to(device)
+    try:
+        with torch.inference_mode():
+            want = backbone(input_ids=ids_BT, use_cache=False).last_hidden_state
+            got = backbone(input_ids=ids_BT, attention_mask=masks, use_cache=False).last_hidden_state
+    except (TypeError, ValueError, AttributeError, KeyError, RuntimeError):
+        return None  # the model does not take a mapping: it makes its masks itself
+    return masks if torch.equal(want, got) else None
 
 
 def _truncate_layers(text_config, keep: int) -> None:

@@ -97,3 +97,28 @@ def test_metadata_and_schema(tiny_model, dataset, tmp_path):
         assert set(handle.get_tensor("loss_mask").unique().tolist()) <= {0, 1}
         cu = handle.get_tensor("cu_seqlens")
         assert cu.dtype == torch.int64 and cu[0] == 0 and cu[-1] == tokens and len(cu) == len(batch) + 1
+
+
+def test_masks_made_once_give_the_models_own_states(tiny_model):
+    """The worker's forward passes the hybrid's masks made once (no host sync per batch): a padded batch's
+    states are bit-identical to the model's own masks'; an eager-attention model, which needs a real causal
+    mask, keeps making its own."""
+    from hsextract.capture import LayerCapture, _masks_made_once
+
+    capture = LayerCapture(tiny_model, [1, 3], False, "cpu", torch.float32)
+    assert capture.masks == {"full_attention": None, "linear_attention": None}
+    generator = torch.Generator().manual_seed(5)
+    samples = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (40, 25, 33)]  # padded batch
+    made_once = capture.run(samples)["hidden_states"]
+    masks, capture.masks = capture.masks, None  # the model makes its own
+    own = capture.run(samples)["hidden_states"]
+    assert made_once.shape == (98, 2 * 64) and torch.equal(own, made_once)
+    capture.masks = masks
+    ids_BT = torch.tensor([samples[0][:8]] * 2)
+
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        causal = eager.model(input_ids=ids_BT[:, :8], use_cache=False).last_hidden_state
+        unmasked = eager.model(input_ids=ids_BT[:, :8], attention_mask=capture.masks, use_cache=False).last_hidden_state
+    assert not torch.equal(causal, unmasked)  # eager attention without its mask sees the future
+    assert _masks_made_once(eager.model, eager.config, 512, torch.device("cpu")) is None
