@@ -7,6 +7,7 @@ is causal, so pad tokens after a sample never change its states, and no attentio
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -77,9 +78,9 @@ class LayerCapture:
         del model  # drops lm_head (unless tied to the embeddings)
         self._out: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
-        self.masks = _masks_made_once(self.backbone, config.get_text_config(), self.info.vocab_size, self.device)
-        if self.masks is not None:
-            self.kernels.append("attention masks made once (no host sync per batch)")
+        self._text_config = config.get_text_config()
+        self.masks: dict | None = None  # the masks every batch gets, made once (`settle_masks`); None: the model's
+        self._masks_settled = False
         for slot, layer_id in enumerate(layer_ids):
             self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
 
@@ -94,7 +95,17 @@ class LayerCapture:
             return []
         sizes = batch_size_buckets(max(1, token_budget // shortest))
         run_sizes(modules, sizes, token_budget, self.hidden_size, self.device, self.dtype)
+        self.settle_masks()  # its test batch is of a shape just warmed: no kernel compiles or tunes for it
         return sizes
+
+    def settle_masks(self) -> bool:
+        """Decide once whether every batch gets the masks made once (`_masks_made_once`; True) or the model makes
+        its own per batch. Runs two forwards of a small test batch; `forward` calls it if nothing did before
+        (after the kernels are warm, so that the test batch compiles and tunes nothing: `warm_up` calls it)."""
+        if not self._masks_settled:
+            self._masks_settled = True
+            self.masks = _masks_made_once(self.backbone, self._text_config, self.info.vocab_size, self.device)
+        return self.masks is not None
 
     @property
     def width(self) -> int:
@@ -112,6 +123,8 @@ class LayerCapture:
 
     def forward(self, ids_BT: torch.Tensor):
         """The decoder stack over a right-padded batch of token ids (hooks fire, no cache); its output."""
+        if not self._masks_settled:
+            self.settle_masks()
         if self.masks is None:
             return self.backbone(input_ids=ids_BT, use_cache=False)
         return self.backbone(input_ids=ids_BT, attention_mask=self.masks, use_cache=False)
@@ -166,14 +179,27 @@ def _masks_made_once(backbone: nn.Module, text_config, vocab_size: int, device: 
         return None
     masks = dict.fromkeys(sorted(kinds))
     generator = torch.Generator().manual_seed(0)
-    ids_BT = torch.randint(0, vocab_size, (2, 48), generator=generator).to(device)
+    ids_BT = torch.randint(0, vocab_size, (2, 64), generator=generator).to(device)  # a shape `run_sizes` warms
     try:
-        with torch.inference_mode():
+        with _hooks_off(backbone), torch.inference_mode():
             want = backbone(input_ids=ids_BT, use_cache=False).last_hidden_state
             got = backbone(input_ids=ids_BT, attention_mask=masks, use_cache=False).last_hidden_state
     except (TypeError, ValueError, AttributeError, KeyError, RuntimeError):
         return None  # the model does not take a mapping: it makes its masks itself
     return masks if torch.equal(want, got) else None
+
+
+@contextlib.contextmanager
+def _hooks_off(backbone: nn.Module):
+    """The decoder layers' forward hooks (the capture's) set aside: a test forward writes into no batch."""
+    saved = {i: dict(layer._forward_hooks) for i, layer in enumerate(backbone.layers)}
+    for layer in backbone.layers:
+        layer._forward_hooks.clear()
+    try:
+        yield
+    finally:
+        for i, hooks in saved.items():
+            backbone.layers[i]._forward_hooks.update(hooks)
 
 
 def _truncate_layers(text_config, keep: int) -> None:

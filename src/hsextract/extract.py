@@ -92,6 +92,9 @@ class ShardRun(Shard):
             if sizes:
                 print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels warmed for {len(sizes)} batch sizes "
                       f"(1..{sizes[-1]}) in {self.warm_s:.1f}s", file=sys.stderr, flush=True)
+        if capture.settle_masks():  # after the warm-up: its test forward compiles nothing
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: attention masks made once: no host sync per "
+                  f"batch", file=sys.stderr, flush=True)
         encoder = ChatEncoder(load_tokenizer(opts.model), capture.info.vocab_size, opts.max_length, opts.overlong)
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
