@@ -80,6 +80,16 @@ class ChatEncoder:
             return Rejected(sample_id, "too_few_supervised", "fewer than 2 consecutive supervised tokens")
         return Tokenized(sample_id, ids, mask)
 
+    def warm(self) -> None:
+        """Run the chat path once on a two-turn conversation: its code imported, its template compiled (before
+        another thread tokenizes while this one imports more of transformers, whose lazy imports are not
+        thread-safe). A template that refuses this conversation is not an error here."""
+        messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+        try:
+            self._encode_chat(messages)
+        except Exception:  # noqa: BLE001 - the real records say what is wrong with the template
+            pass
+
     def _encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         if not any(m["role"] == "assistant" for m in messages):
             return self._render_ids(messages), []

@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from .errors import Interrupted, UsageError
 from .liveness import Heartbeat, Progress
 from .options import WorkerOptions
 from .payload import Prepared
+from .preflight import read_model_info
 from .prewarm import SHORTEST, Prewarm, default_procs, mark_tuned, tuned_marker
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
 from .records import Bad, Record
@@ -58,7 +60,10 @@ class ShardRun(Shard):
                   f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
                   flush=True)
         dtype = resolve_dtype(opts.dtype, device)
+        encoder = ChatEncoder(load_tokenizer(opts.model), read_model_info(opts.model).vocab_size, opts.max_length,
+                              opts.overlong)  # a broken tokenizer is told before the model's load, not after
         prewarm = self.start_prewarm(device, dtype)
+        early = EarlyTokens(encoder, pending[:opts.sort_window])  # the first window, tokenized while the model loads
         started = time.monotonic()
         try:
             capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, dtype,
@@ -95,7 +100,7 @@ class ShardRun(Shard):
         if capture.settle_masks():  # after the warm-up: its test forward compiles nothing
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: attention masks made once: no host sync per "
                   f"batch", file=sys.stderr, flush=True)
-        encoder = ChatEncoder(load_tokenizer(opts.model), capture.info.vocab_size, opts.max_length, opts.overlong)
+        first = early.result()
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
             "hidden_size": str(capture.hidden_size), "num_model_layers": str(capture.info.num_layers),
@@ -108,7 +113,7 @@ class ShardRun(Shard):
         writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
                              bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget)
         self.loop = ForwardLoopTimer(capture.device)
-        batches = pack(self.encoded(encoder, pending), opts.token_budget, opts.sort_window)
+        batches = pack(self.encoded(encoder, pending, first), opts.token_budget, opts.sort_window)
         try:
             while (batch := self.loop.next(batches)) is not None and not self.stop_signal:
                 for part, states in self.forward(capture, batch):
@@ -153,10 +158,17 @@ class ShardRun(Shard):
             return None
         return Prewarm.start(opts.model, sizes, opts.token_budget, device, dtype, procs)
 
-    def encoded(self, encoder: ChatEncoder, pending: list[Record | Bad]) -> Iterator[Tokenized]:
-        """Tokenize the pending records; the ones that cannot train are journaled as skipped on the way."""
-        for item in pending:
-            result = Rejected(item.id, item.reason, item.detail) if isinstance(item, Bad) else encoder.encode(item)
+    def encoded(self, encoder: ChatEncoder, pending: list[Record | Bad],
+                first: list[Tokenized | Rejected] = ()) -> Iterator[Tokenized]:
+        """Tokenize the pending records (the first `len(first)` were: `EarlyTokens`); the ones that cannot train
+        are journaled as skipped on the way."""
+        for i, item in enumerate(pending):
+            if i < len(first):
+                result = first[i]
+            elif isinstance(item, Bad):
+                result = Rejected(item.id, item.reason, item.detail)
+            else:
+                result = encoder.encode(item)
             if isinstance(result, Rejected):
                 self.skip(result.id, result.reason, result.detail, item.line, counts_as_done=True)
             else:
@@ -302,14 +314,51 @@ class ForwardLoopTimer:
         return out
 
 
+class EarlyTokens:
+    """The first records tokenized on a thread of their own while the model loads, so that the first batch is
+    ready when the model is (a window of 1024 long conversations takes a second or more). Only the start: the
+    rest is tokenized on the forward loop's thread as it needs them, as before (a thread tokenizing beside the
+    loop would hold the GIL between the loop's kernel launches). The tokenizer is loaded and its chat path run
+    once on the caller's thread first: transformers' lazy imports are not thread-safe, and the model's load
+    goes on importing meanwhile."""
+
+    def __init__(self, encoder: ChatEncoder, records: list[Record | Bad]):
+        encoder.warm()
+        self.encoder, self.records = encoder, records
+        self.done: list[Tokenized | Rejected] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hsextract-tokenize", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self.records:
+                self.done.append(Rejected(item.id, item.reason, item.detail) if isinstance(item, Bad)
+                                 else self.encoder.encode(item))
+        except BaseException as exc:  # noqa: BLE001 - raised on the worker's thread by `result`
+            self.error = exc
+
+    def result(self) -> list[Tokenized | Rejected]:
+        """The records' results, in order (waits for the thread); its error, raised here."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+
 def load_tokenizer(model_dir: Path):
     """The model directory's own tokenizer (never the hub); UsageError when it cannot be loaded."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model {str(model_dir)!r}: cannot load its tokenizer ({exc})") from None
+    if len(tokenizer) < 2:  # transformers makes an empty tokenizer from the config alone: every sample would skip
+        raise UsageError(f"--model {str(model_dir)!r}: cannot load its tokenizer (no tokenizer files there: "
+                         f"transformers made one of {len(tokenizer)} token(s) from the config alone); put the "
+                         f"model's tokenizer.json / tokenizer_config.json beside its config.json")
+    return tokenizer
 
 
 #: the kernel-tuning children get this long from their start; the worker's own warm-up does what they left

@@ -88,6 +88,18 @@ def test_missing_weights_named(tiny_model, dataset, tmp_path):
     assert proc.returncode == 2 and str(broken) in proc.stderr, proc.stderr
 
 
+def test_missing_tokenizer_named(tiny_model, dataset, tmp_path):
+    """The tokenizer loads on a thread of its own while the model loads; its failure still ends the worker
+    with a usage error that names the model directory, and no sample is journaled."""
+    broken = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model, broken, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    proc = run_extract(broken, dataset, tmp_path / "out", 0, 1, layers="1,3")
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot load its tokenizer" in proc.stderr and str(broken) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "out").rglob("batch-*.safetensors"))
+
+
 def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tiny_model, dataset, tmp_path):
     """--random-weights SEED: a model directory without weights extracts (the states of a model made from the
     config and the seed), the same seed gives the same states, another seed others, and the files say so."""

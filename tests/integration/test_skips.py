@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -27,7 +28,10 @@ def write_lines(path, lines):
     return path
 
 
-def test_every_skip_reason_recorded(tiny_model, tmp_path):
+@pytest.mark.parametrize("window", ["1024", "3"])
+def test_every_skip_reason_recorded(tiny_model, tmp_path, window):
+    """Window 1024: every record is tokenized while the model loads (`EarlyTokens`); window 3: the first three
+    are, the rest on the forward loop."""
     import random
 
     rng = random.Random(0)
@@ -48,7 +52,8 @@ def test_every_skip_reason_recorded(tiny_model, tmp_path):
     ]
     data = write_lines(tmp_path / "data.jsonl", lines)
     out = tmp_path / "out"
-    proc = run_extract(tiny_model, data, out, 0, 1, "--max-length", "128", "--overlong", "skip")
+    proc = run_extract(tiny_model, data, out, 0, 1, "--max-length", "128", "--overlong", "skip",
+                       "--sort-window", window)
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["skipped"] == {
