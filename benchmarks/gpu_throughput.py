@@ -12,7 +12,10 @@ worker's extraction lasts over 2 minutes, so its start-up is seen for what it is
 with lognormal lengths (median ~1K, max 4096). Then, on the same model and data, prints:
   - bare forward tok/s: the stack over the first `--ceiling-batches` packed batches, nothing captured (the
     GPU ceiling), and its model FLOPs utilisation: 2 x non-embedding parameters x tokens/s over the dense
-    bf16 peak (`--peak-tflops`, 989 for an H100/H200 SXM);
+    bf16 peak (`--peak-tflops`, 989 for an H100/H200 SXM); beside it, the same with the model making its own
+    attention masks (a host sync per forward; the worker makes them once: `LayerCapture.settle_masks`);
+  - the host syncs in one batch (torch's sync debug mode): the bare forward each way, and the worker's whole
+    device-side step (capture, NaN flags, fp8 quantization), which should have none;
   - capture tok/s: the worker's hooks filling the output buffer, nothing copied out;
   - sink bytes/s: those batches' file sizes of random bytes written with no GPU work: raw write + fsync one
     file at a time, raw with file n's fsync overlapping file n+1's write (the sink ceiling is the better of
