@@ -73,16 +73,22 @@ def test_the_fla_convolution_is_used_only_where_it_can_run(tiny_model):
 
 def test_warm_up_runs_the_linear_attention_once_per_batch_size_a_run_can_meet(tiny_model):
     """The worker calls it on CUDA before the first batch (kernels that autotune per batch size tune then):
-    every bucketed size up to budget // 16, random input within the budget, the hybrid's one GDN module type."""
+    every bucketed size up to budget // 16, random input within the budget, the hybrid's one GDN module type;
+    then the masks' test batch (`settle_masks`, two forwards of the whole stack) at a shape it just warmed."""
     from hsextract.batching import batch_size_buckets
 
     capture = LayerCapture(tiny_model, [1, 3], False, "cpu", torch.float32)
     seen = []
     gdn = next(layer.linear_attn for layer in capture.backbone.layers if hasattr(layer, "linear_attn"))
-    handle = gdn.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    handle = gdn.register_forward_hook(
+        lambda _m, args, kwargs, _out: seen.append(tuple((args[0] if args else kwargs["hidden_states"]).shape)),
+        with_kwargs=True)
     try:
         sizes = capture.warm_up(512)
     finally:
         handle.remove()
-    assert sizes == batch_size_buckets(32) and [b for b, _, _ in seen] == sizes  # one module: the first
-    assert all(b * t <= 512 and h == capture.hidden_size for b, t, h in seen)
+    warmed, settled = seen[:len(sizes)], seen[len(sizes):]
+    assert sizes == batch_size_buckets(32) and [b for b, _, _ in warmed] == sizes  # one module: the first
+    assert all(b * t <= 512 and h == capture.hidden_size for b, t, h in warmed)
+    assert settled == [(2, 64, capture.hidden_size)] * 2 and (2, 64, capture.hidden_size) in warmed
+    assert capture.masks == {"full_attention": None, "linear_attention": None}
