@@ -247,6 +247,9 @@ def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> di
             for i in hooks:
                 capture.backbone.layers[i]._forward_hooks.clear()
 
+    with warnings.catch_warnings(record=True):  # a first switch of the debug mode, so that none is counted below
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("default")
     found, made_once = {}, capture.masks
     ways = {"bare forward, masks made once": (made_once, lambda: capture.forward(ids)),
             "bare forward, the model's own masks": (None, lambda: capture.forward(ids)),
