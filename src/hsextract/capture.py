@@ -123,9 +123,7 @@ class LayerCapture:
 
     def forward(self, ids_BT: torch.Tensor):
         """The decoder stack over a right-padded batch of token ids (hooks fire, no cache); its output."""
-        if not self._masks_settled:
-            self.settle_masks()
-        if self.masks is None:
+        if not self.settle_masks():
             return self.backbone(input_ids=ids_BT, use_cache=False)
         return self.backbone(input_ids=ids_BT, attention_mask=self.masks, use_cache=False)
 

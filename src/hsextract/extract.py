@@ -163,12 +163,7 @@ class ShardRun(Shard):
         """Tokenize the pending records (the first `len(first)` were: `EarlyTokens`); the ones that cannot train
         are journaled as skipped on the way."""
         for i, item in enumerate(pending):
-            if i < len(first):
-                result = first[i]
-            elif isinstance(item, Bad):
-                result = Rejected(item.id, item.reason, item.detail)
-            else:
-                result = encoder.encode(item)
+            result = first[i] if i < len(first) else encode(encoder, item)
             if isinstance(result, Rejected):
                 self.skip(result.id, result.reason, result.detail, item.line, counts_as_done=True)
             else:
@@ -314,6 +309,11 @@ class ForwardLoopTimer:
         return out
 
 
+def encode(encoder: ChatEncoder, item: Record | Bad) -> Tokenized | Rejected:
+    """A pending record's tokens, or why it is skipped (a record that did not parse is rejected as it was)."""
+    return Rejected(item.id, item.reason, item.detail) if isinstance(item, Bad) else encoder.encode(item)
+
+
 class EarlyTokens:
     """The first records tokenized on a thread of their own while the model loads, so that the first batch is
     ready when the model is (a window of 1024 long conversations takes a second or more). Only the start: the
@@ -333,8 +333,7 @@ class EarlyTokens:
     def _run(self) -> None:
         try:
             for item in self.records:
-                self.done.append(Rejected(item.id, item.reason, item.detail) if isinstance(item, Bad)
-                                 else self.encoder.encode(item))
+                self.done.append(encode(self.encoder, item))
         except BaseException as exc:  # noqa: BLE001 - raised on the worker's thread by `result`
             self.error = exc
 
