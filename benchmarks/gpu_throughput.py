@@ -18,8 +18,10 @@ with lognormal lengths (median ~1K, max 4096). Then, on the same model and data,
     device-side step (capture, NaN flags, fp8 quantization), which should have none;
   - capture tok/s: the worker's hooks filling the output buffer, nothing copied out;
   - sink bytes/s: those batches' file sizes of random bytes written with no GPU work: raw write + fsync one
-    file at a time, raw with file n's fsync overlapping file n+1's write (the sink ceiling is the better of
-    the two), and the worker's own `write_batch` one file at a time; as tok/s equivalents;
+    file at a time, raw with file n's fsync overlapping file n+1's write, raw from 4 threads at once (the
+    sink ceiling is the best of the three), zero bytes (storage that compresses or dedups writes these
+    faster: a hint, not a ceiling), and the worker's own `write_batch` one file at a time; as tok/s
+    equivalents;
   - the worker end to end (`hsextract extract` over the whole dataset, tok/s over its extraction loop), its
     steady state, padding waste and peak GPU memory; files are deleted once journaled (the disk holds a
     few), so a run may write far more than the disk;
@@ -276,11 +278,12 @@ def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> di
 
 
 def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: bool = False,
-                     compiled: bool = False, reference: bool = True, sustained=None, budget: int = 8192,
+                     compiled: str | None = None, reference: bool = True, sustained=None, budget: int = 8192,
                      host_load: tuple[Path, int] | None = None) -> dict:
     """The bare forward (the GPU ceiling, with the kernels the worker uses) and the capture, on the same model and
     batches; side by side, the bare forward with transformers' reference causal convolution and, with
-    `compiled`, with every decoder layer under torch.compile (dynamic shapes), each with the relative error
+    `compiled`, with every decoder layer ("layers") or every layer's MLP ("mlp") under torch.compile (dynamic
+    shapes), each with the relative error
     of the first batch's last layer against the worker's kernels; and fla's convolution against the reference
     in fp32 on one layer's weights. With `sustained` (batches), the bare forward is timed over those instead (e.g.
     all the run's batches: the same work as the worker, for as long). With `host_load` (a scratch directory, bytes
@@ -401,22 +404,24 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
             tokens / timed(run_bare), rel_err(first_state(), want), 0.0)
         use_fla_conv(capture.backbone, capture.device)
     if compiled:
+        targets = [layer.mlp if compiled == "mlp" else layer for layer in capture.backbone.layers]
         try:
             import torch._dynamo as dynamo
 
             dynamo.config.cache_size_limit = max(64, dynamo.config.cache_size_limit)
-            for layer in capture.backbone.layers:
-                layer.compile(dynamic=True)
+            for module in targets:
+                module.compile(dynamic=True)
             started = time.perf_counter()
-            run_bare()  # compiles: every layer type, then the shapes as dynamic
+            run_bare()  # compiles: every module kind, then the shapes as dynamic
             torch.cuda.synchronize()
             warm = time.perf_counter() - started
-            variants["torch.compile per decoder layer (dynamic)"] = (
+            print(f"torch.compile ({compiled}): compiled and ran {len(packed)} batches in {warm:.0f}s", flush=True)
+            variants[f"torch.compile per decoder {'MLP' if compiled == 'mlp' else 'layer'} (dynamic)"] = (
                 tokens / timed(run_bare), rel_err(first_state(), want), warm)
         except Exception as exc:  # noqa: BLE001 - a measurement: say why it could not be made
             print(f"torch.compile failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-        for layer in capture.backbone.layers:
-            layer._compiled_call_impl = None
+        for module in targets:
+            module._compiled_call_impl = None
     out["variants"] = variants
     if bare_only:
         return out
@@ -427,11 +432,18 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     return out  # model and inputs are freed on return
 
 
+#: writer threads of the sink's `parallel` figure
+LANES = 4
+
+
 def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str, float]:
     """Bytes/s of writing the same file sizes with no GPU work, random (incompressible) bytes:
     `ours` = the worker's `write_batch` one file at a time (lay out + sha256 + write + fsync + rename);
     `serial` = raw write + fsync, one file at a time; `overlapped` = raw, file n+1 written while file n is
-    fsynced (what the worker's write and seal threads do). The sink ceiling is the better raw figure."""
+    fsynced (what the worker's write and seal threads do); `parallel` = raw, LANES threads each writing and
+    fsyncing every LANES-th file (a disk that wants more requests in flight). The sink ceiling is the best of
+    the three. `zeros` = serial, zero bytes: far faster than `serial` says the storage compresses or dedups
+    (then the real states' bytes, not random ones, set the ceiling); not a ceiling itself."""
     import threading
 
     out.mkdir(parents=True, exist_ok=True)
@@ -456,9 +468,9 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
             drop(i)
         figures["ours"] = total / (time.perf_counter() - start)
 
-    def write(i: int, size: int) -> int:
+    def write(i: int, size: int, source=noise) -> int:
         fd = os.open(out / f"r{i:06d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-        view = memoryview(noise.numpy())[:size]
+        view = memoryview(source.numpy())[:size]
         while view:
             view = view[os.write(fd, view):]
         return fd
@@ -484,6 +496,25 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
         drop(i)
     sealing.join()
     figures["overlapped"] = total / (time.perf_counter() - start)
+
+    def lane(first: int) -> None:
+        for i in range(first, len(sizes), LANES):
+            seal(write(i, sizes[i]))
+            (out / f"r{i - LANES:06d}").unlink(missing_ok=True)  # its own file before: a few on disk at a time
+
+    start = fresh()
+    lanes = [threading.Thread(target=lane, args=(j,)) for j in range(LANES)]
+    for thread in lanes:
+        thread.start()
+    for thread in lanes:
+        thread.join()
+    figures["parallel"] = total / (time.perf_counter() - start)
+    zeros = torch.zeros_like(noise)
+    start = fresh()
+    for i, size in enumerate(sizes):
+        seal(write(i, size, zeros))
+        drop(i)
+    figures["zeros"] = total / (time.perf_counter() - start)
     shutil.rmtree(out)
     return figures
 
@@ -606,8 +637,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--fp8", action="store_true", help="also run the worker with --out-dtype fp8_e4m3")
     ap.add_argument("--fp8-only", action="store_true", help="with --worker-only: the fp8_e4m3 worker alone")
-    ap.add_argument("--compile", action="store_true",
-                    help="also measure the bare forward with every decoder layer under torch.compile")
+    ap.add_argument("--compile", nargs="?", const="layers", choices=("layers", "mlp"), default=None,
+                    help="also measure the bare forward with every decoder layer (or only every layer's MLP, "
+                         "the linear-attention and attention modules left eager) under torch.compile")
     ap.add_argument("--worker-only", action="store_true",
                     help="only the worker (and with --fp8 its fp8 run): summaries, steady state, stage timings")
     ap.add_argument("--host-load", action="store_true",
@@ -674,7 +706,7 @@ def main() -> int:
         return 0
     bf16_bytes, fp8_bytes = width * 2, fp8_bytes_per_token(width, len(layer_ids))
     disk = sink(out.parent / "sink", packed, bf16_bytes)
-    raw_bps = max(disk["serial"], disk["overlapped"])
+    raw_bps = max(disk["serial"], disk["overlapped"], disk["parallel"])
     raw_tps, sink_tps = raw_bps / bf16_bytes, disk["ours"] / bf16_bytes
     print("sink (bf16 sizes): " + ", ".join(f"{k} {v / 2**30:.3f} GiB/s" for k, v in disk.items()), flush=True)
     with phase("worker bf16"):
@@ -692,7 +724,7 @@ def main() -> int:
     fp8 = None
     if args.fp8:
         disk8 = sink(out.parent / "sink", packed, fp8_bytes, ours=False)
-        raw8_tps = max(disk8.values()) / fp8_bytes
+        raw8_tps = max(disk8["serial"], disk8["overlapped"], disk8["parallel"]) / fp8_bytes
         with phase("worker fp8"):
             fp8 = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--out-dtype", "fp8_e4m3")
         fp8["ceiling"] = min(bare_tps, raw8_tps)
@@ -715,12 +747,14 @@ def main() -> int:
     rows = [("bare forward (GPU ceiling)", bare_tps, bf16_bytes), ("capture, nothing copied out", capture_tps, bf16_bytes),
             ("sink: raw write+fsync, one file at a time", disk["serial"] / bf16_bytes, bf16_bytes),
             ("sink: raw, fsync of n overlaps write of n+1", disk["overlapped"] / bf16_bytes, bf16_bytes),
+            (f"sink: raw, {LANES} threads writing + fsyncing", disk["parallel"] / bf16_bytes, bf16_bytes),
+            ("sink: zero bytes, serial (not a ceiling)", disk["zeros"] / bf16_bytes, bf16_bytes),
             ("sink: the worker's write_batch, serial", sink_tps, bf16_bytes),
             ("worker end to end (whole loop)", worker_tps, bf16_bytes),
             ("worker steady state (after 1st file)", steady_tps, bf16_bytes),
             ("naive per-sample loop", naive_tps, bf16_bytes)]
     if fp8:
-        rows += [("sink fp8: raw, the better of the two", raw8_tps, fp8_bytes),
+        rows += [("sink fp8: raw, the best of the three", raw8_tps, fp8_bytes),
                  ("worker fp8_e4m3 end to end", fp8["tokens_per_s"], fp8_bytes),
                  ("worker fp8_e4m3 steady state", fp8["steady"], fp8_bytes)]
     print(f"\n{'what':<46} {'tok/s':>10} {'GiB/s out':>10}")
@@ -729,7 +763,7 @@ def main() -> int:
     print(f"\nworker / min(GPU ceiling, sink ceiling) = {worker_tps / ceiling:.3f} over its whole extraction loop "
           f"(start-up kernels compiled on the first batches included), {steady_tps / ceiling:.3f} in steady state "
           f"(goals >= 0.95 and >= 0.98; the {'sink' if raw_tps < bare_tps else 'GPU'} is the ceiling; sink ceiling = "
-          f"the better raw figure); bare forward MFU {mfu:.3f}")
+          f"the best raw figure); bare forward MFU {mfu:.3f}")
     if fp8:
         print(f"fp8_e4m3: worker / min(GPU ceiling, fp8 sink ceiling) = {fp8['tokens_per_s'] / fp8['ceiling']:.3f} "
               f"whole loop, {fp8['steady'] / fp8['ceiling']:.3f} steady; {fp8['tokens_per_s'] / worker_tps:.2f}x the bf16 "

@@ -9,11 +9,13 @@ of `--model-layers` layers as safetensors (5 GB shards), then, each with the pag
   - from_pretrained into host memory, then `.to("cuda")`: the worker's load before issue 20;
   - LayerCapture: the worker's own load, synchronized: straight to the GPU (`device_map`) where `accelerate`
     is importable, else the same as the row above;
-  - the worker process (`hsextract extract` over `--samples` samples): start to its first batch file
-    journaled, and its whole extraction; three times: on a host whose kernels were never tuned (an empty
-    Triton cache) with no tuning processes (`--tune-procs 0`: the worker tunes every batch size after the
-    load), the same with the default tuning processes (while the load goes on), and once more on the cache
-    that run left (a host's later starts).
+  - the worker process (`hsextract extract` over `--samples` samples): start to its first batch queued and
+    to its first batch file journaled, each phase of its start-up (the summary's `startup`, from the process's
+    own start), and its whole extraction; on a host whose kernels were never tuned (an empty Triton cache:
+    the worker tunes every batch size after the load), with `--tune-procs N` the same with N tuning processes
+    during the load, then twice on the cache the first run left (a host's later starts): alone, and with a
+    reader beside it reading the checkpoint from the worker's start (what reading ahead in the worker, while
+    it imports and starts CUDA, could gain).
 Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
 """
 
@@ -23,6 +25,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -48,16 +51,17 @@ def drop_caches() -> bool:
         return False
 
 
-def save_checkpoint(model_dir: Path) -> int:
+def save_checkpoint(model_dir: Path, device: str) -> int:
     """Random bf16 weights for the config in `model_dir`, saved beside it; their bytes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(SEED)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
     model.save_pretrained(model_dir, max_shard_size="5GB")
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
 
 
@@ -71,13 +75,15 @@ def raw_read(model_dir: Path) -> float:
     return time.perf_counter() - began
 
 
-def timed_load(make) -> float:
+def timed_load(make, device: str) -> float:
     began = time.perf_counter()
     loaded = make()
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     del loaded
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return seconds
 
 
@@ -86,53 +92,81 @@ def main() -> int:
     ap.add_argument("--model-layers", type=int, default=24)
     ap.add_argument("--layers", default="dflash:5")
     ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--device", default="cuda", help="cuda (the measure) or cpu (a smoke run of this script)")
+    ap.add_argument("--tune-procs", type=int, default=0,
+                    help="also a run on an untuned host with this many tuning processes (0: none)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hsx-load-"))
     model_dir = build_model(work / "model", args.model_layers)
-    size = save_checkpoint(model_dir)
+    began = time.perf_counter()
+    size = save_checkpoint(model_dir, args.device)
+    print(f"checkpoint saved in {time.perf_counter() - began:.1f} s", flush=True)
     build_data(work / "data.jsonl", args.samples)
     layer_ids = parse_layer_spec(args.layers, args.model_layers)
     print(f"checkpoint: {args.model_layers} layers, {size / 1e9:.2f} GB in "
           f"{len(list(model_dir.glob('*.safetensors')))} files", flush=True)
     rows = []
+
+    def row(name: str, seconds: float | None) -> None:  # printed as measured: a run cut short keeps its figures
+        if seconds is None:
+            print(f"{name}: not measured", flush=True)
+            return
+        rows.append((name, seconds))
+        print(f"{name}: {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s, {seconds / raw_s:.2f} x raw)", flush=True)
+
     cold = drop_caches()
     raw_s = raw_read(model_dir)
-    rows.append(("raw read of the safetensors files", raw_s))
+    row("raw read of the safetensors files", raw_s)
     from transformers import AutoModelForCausalLM
 
     drop_caches()
-    rows.append(("from_pretrained into host memory, then .to(cuda) (the old load)", timed_load(
-        lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).to("cuda"))))
+    row(f"from_pretrained into host memory, then .to({args.device}) (the old load)", timed_load(
+        lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True)
+        .to(args.device), args.device))
     drop_caches()
     paths = []
 
     def worker_load() -> LayerCapture:
-        capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16)
+        capture = LayerCapture(model_dir, layer_ids, False, args.device, torch.bfloat16)
         paths.append(capture.load_path)
         return capture
 
-    seconds = timed_load(worker_load)
-    rows.append((f"LayerCapture: the worker's load ({paths[0]})", seconds))
+    seconds = timed_load(worker_load, args.device)
+    row(f"LayerCapture: the worker's load ({paths[0]})", seconds)
     runs = {}
-    for name, extra, cache in (("untuned host, --tune-procs 0", ("--tune-procs", "0"), "cold-a"),
-                               ("untuned host, tuning processes", (), "cold-b"),
-                               ("tuned host (the cache the run above left)", (), "cold-b")):
+    plans = [("untuned host (an empty Triton cache)", (), "cold-a", False),
+             *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)), "cold-b",
+                 False)] if args.tune_procs else []),
+             ("tuned host (the cache the first run left)", (), "cold-a", False),
+             ("tuned host, the checkpoint read ahead from the worker's start", (), "cold-a", True)]
+    for name, extra, cache, ahead in plans:
         drop_caches()
         shutil.rmtree(work / "out", ignore_errors=True)
+        reader = threading.Thread(target=raw_read, args=(model_dir,), daemon=True) if ahead else None
+        if reader:  # a reader beside the worker, from its start: what reading ahead in the worker could gain
+            reader.start()
         summary = runs[name] = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, *extra,
-                                      random_weights=False, env={"TRITON_CACHE_DIR": str(work / cache)})
+                                      "--device", args.device, random_weights=False,
+                                      env={"TRITON_CACHE_DIR": str(work / cache)})
+        if reader:
+            reader.join()
+        startup = summary.get("startup", {})
         print(f"worker, {name}: load {summary['load_s']} s, tuning {summary.get('tune')}, warm-up "
-              f"{summary.get('warm_s')} s, first file {summary['first_file_s']} s after its start", flush=True)
-        rows.append((f"worker, {name}: its model load (load_s)", summary["load_s"]))
-        rows.append((f"worker, {name}: start to first batch file", summary["first_file_s"]))
+              f"{summary.get('warm_s')} s; from its start: " + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()),
+              flush=True)
+        row(f"worker, {name}: its model load (load_s)", summary["load_s"])
+        row(f"worker, {name}: start to first batch (queued)", startup.get("first_forward"))
+        row(f"worker, {name}: start to first batch file", startup.get("first_file", summary["first_file_s"]))
     print(f"\n{'what (' + ('cache dropped before each' if cold else 'cache warm: drop_caches refused') + ')':<60} "
           f"{'s':>8} {'GB/s':>8} {'x raw':>7}")
     for name, seconds in rows:
         print(f"{name:<60} {seconds:>8.1f} {size / 1e9 / seconds:>8.2f} {seconds / raw_s:>7.2f}")
     for name, summary in runs.items():
-        print(f"worker, {name}: start to first batch / raw read = {summary['first_file_s'] / raw_s:.2f} "
-              f"(goal <= 1.2); its extraction {summary['tokens_per_s']:,.0f} tok/s over {summary['extract_s']} s")
-    print(f"GPU {torch.cuda.get_device_name()}")
+        first = summary.get("startup", {}).get("first_forward")
+        if first is not None:
+            print(f"worker, {name}: start to first batch / raw read = {first / raw_s:.2f} (goal <= 1.2); its "
+                  f"extraction {summary['tokens_per_s']:,.0f} tok/s over {summary['extract_s']} s")
+    print(f"GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else f"device {args.device}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.util
 import json
 import sys
 import threading
@@ -25,7 +24,7 @@ from .liveness import Heartbeat, Progress
 from .options import WorkerOptions
 from .payload import Prepared
 from .preflight import read_model_info
-from .prewarm import SHORTEST, Prewarm, default_procs, mark_tuned, tuned_marker
+from .prewarm import SHORTEST, Prewarm, mark_tuned, tuned_marker
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
 from .records import Bad, Record
 from .shard import Shard, drive
@@ -62,6 +61,7 @@ class ShardRun(Shard):
         dtype = resolve_dtype(opts.dtype, device)
         encoder = ChatEncoder(load_tokenizer(opts.model), read_model_info(opts.model).vocab_size, opts.max_length,
                               opts.overlong)  # a broken tokenizer is told before the model's load, not after
+        self.progress.mark("tokenizer_loaded")
         prewarm = self.start_prewarm(device, dtype)
         early = EarlyTokens(encoder, pending[:opts.sort_window])  # the first window, tokenized while the model loads
         started = time.monotonic()
@@ -73,6 +73,7 @@ class ShardRun(Shard):
                 prewarm.kill()
             raise
         self.load_s = time.monotonic() - started
+        self.progress.mark("model_loaded")
         how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
         print(f"hsextract: shard {opts.shard}/{opts.num_shards}: model loaded in {self.load_s:.1f}s on {device}"
               + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
@@ -88,12 +89,14 @@ class ShardRun(Shard):
                   + "".join(f"; failed: {f}" for f in prewarm.failures), file=sys.stderr, flush=True)
             if not prewarm.failures:
                 mark_tuned(self.tuned)
+            self.progress.mark("kernels_tuned")
         if capture.device.type == "cuda":  # kernels that autotune per batch size: tuned before the first batch
             started = time.monotonic()
             sizes = capture.warm_up(opts.token_budget)
             torch.cuda.synchronize()
             self.warm_s = time.monotonic() - started
             mark_tuned(self.tuned)
+            self.progress.mark("kernels_warmed")
             if sizes:
                 print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels warmed for {len(sizes)} batch sizes "
                       f"(1..{sizes[-1]}) in {self.warm_s:.1f}s", file=sys.stderr, flush=True)
@@ -101,6 +104,7 @@ class ShardRun(Shard):
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: attention masks made once: no host sync per "
                   f"batch", file=sys.stderr, flush=True)
         first = early.result()
+        self.progress.mark("first_window_tokenized")
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
             "hidden_size": str(capture.hidden_size), "num_model_layers": str(capture.info.num_layers),
@@ -110,6 +114,8 @@ class ShardRun(Shard):
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
+        print(f"hsextract: shard {opts.shard}/{opts.num_shards}: start-up, from the process start: "
+              f"{self.progress.describe_startup()}", file=sys.stderr, flush=True)
         writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
                              bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget)
         self.loop = ForwardLoopTimer(capture.device)
@@ -140,13 +146,11 @@ class ShardRun(Shard):
         return per + 1  # the non-finite flags: one per sample, at most one per token
 
     def start_prewarm(self, device: str, dtype: torch.dtype) -> Prewarm | None:
-        """On CUDA with fla (or wherever --tune-procs N asks for them), child processes that tune the kernels
-        for every batch size while the model loads (`hsextract.prewarm`); None when there are none, or when
-        this host tuned the same sizes for the same shapes, GPU and software before (`tuned_marker`)."""
-        opts, procs = self.opts, self.opts.tune_procs
-        if procs is None:
-            auto = device.startswith("cuda") and importlib.util.find_spec("fla") is not None
-            procs = default_procs() if auto else 0
+        """With --tune-procs N, child processes that tune the kernels for every batch size while the model loads
+        (`hsextract.prewarm`); None without it, or when this host tuned the same sizes for the same shapes, GPU
+        and software before (`tuned_marker`). Off by default: on an H100 they did not shorten an untuned
+        host's start (benchmarks/RESULTS.md, issue 20, fifth session)."""
+        opts, procs = self.opts, self.opts.tune_procs or 0
         if procs == 0:
             return None
         sizes = batch_size_buckets(max(1, opts.token_budget // SHORTEST))
@@ -197,6 +201,7 @@ class ShardRun(Shard):
                     todo += [part[mid:], part[:mid]]  # the first half runs next
                 continue
             self.progress.forward_passes += 1
+            self.progress.mark("first_forward")  # queued: on CUDA the device runs it meanwhile
             self.progress.padded_tokens += padded_tokens(part)
             self.progress.tokens_forwarded += sum(len(s) for s in part)
             yield part, states

@@ -3,7 +3,8 @@
 Files in the status directory (default: the shard's directory under a local output):
   heartbeat.json  {"time", "pid", "shard", "num_shards", "phase", "samples_done", "samples_total",
                    "samples_skipped", "tokens_done", "tokens_per_s", "files", "bytes", "last_batch",
-                   "spool_bytes", "upload_memory_bytes", "files_uploaded", "bytes_uploaded", ...}
+                   "spool_bytes", "upload_memory_bytes", "files_uploaded", "bytes_uploaded", "startup", ...}
+                  ("startup": seconds from the process start to each phase and milestone reached so far)
   exit.json       {"time", "pid", "code", "reason"} (+ "stop": "cancelled" | "stopped" when the signal that
                   ended it came with a stop request)
   stop.json       written by the orchestrator before it signals a worker to stop on purpose:
@@ -36,6 +37,23 @@ def stop_request(status_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return request if isinstance(request, dict) and request.get("stop") in STOP_KINDS else None
+
+
+def process_started_at() -> float:
+    """When this process started (epoch seconds; from /proc, in 10 ms ticks), so that start-up figures include
+    the interpreter's own start; where /proc says nothing, the time this module was imported."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # after the command name
+        ticks = int(fields[19])  # field 22, starttime: clock ticks from boot to this process's start
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return IMPORTED_AT
+    return time.time() - max(0.0, age)
+
+
+IMPORTED_AT = time.time()
+PROCESS_START = process_started_at()
 
 
 def announce_start(shard: int, num_shards: int, version: str) -> None:
@@ -75,6 +93,22 @@ class Progress:
     confined: bool = False      # writes restricted to this shard's directories (Landlock)
     started_at: float = field(default_factory=time.time)
     extract_started_at: float | None = None
+    startup: dict = field(default_factory=dict)  # milestone -> seconds from the process start (first reached)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "phase" and "startup" in self.__dict__:  # every phase entered is a milestone
+            self.mark(value)
+
+    def mark(self, milestone: str) -> None:
+        """Note the first time `milestone` is reached, in seconds from the process start. A new dict each time:
+        the heartbeat's thread may be reading the old one."""
+        if milestone not in self.startup:
+            self.startup = {**self.startup, milestone: round(time.time() - PROCESS_START, 3)}
+
+    def describe_startup(self) -> str:
+        """The milestones so far, in order: "importing 0.0s, reading_data 2.9s, ..." (from the process start)."""
+        return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.startup.items())
 
     def tokens_per_s(self) -> float:
         """Tokens written per second since extraction started."""

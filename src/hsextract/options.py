@@ -71,8 +71,8 @@ class WorkerOptions:
         "synthetic)", metavar="TOKENS_PER_S"))
     tune_procs: int | None = field(default=None, metadata=option(
         "on CUDA, child processes that tune the GPU kernels for every batch size while the model loads "
-        "(default: one per two cores, at most 8, where fla is installed; 0: none, the worker tunes them after "
-        "the load)", metavar="N"))
+        "(default 0: none, the worker tunes them after the load; on an H100 8 of them did not start an untuned "
+        "host sooner)", metavar="N"))
     status_dir: Path | None = field(default=None, metadata=option("heartbeat/exit files (default: shard dir)"))
     heartbeat_interval: float = field(default=2.0, metadata=option("seconds between heartbeats"))
     log_interval: float = field(default=30.0, metadata=option("seconds between log lines (no terminal)"))

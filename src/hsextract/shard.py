@@ -192,6 +192,7 @@ class Shard:
         written = unsealed.seal()
         entry = self.file_entry(prep, written.bytes, written.sha256)
         self.record_file(entry)
+        self.progress.mark("first_file")
         if self.uploader:
             self.uploader.submit(entry, reserved=True)
 
@@ -246,6 +247,7 @@ class Shard:
             "padded_tokens": p.padded_tokens,
             "padding_waste": round(p.padded_tokens / p.tokens_forwarded - 1, 4) if p.tokens_forwarded else 0.0,
             **self.summary_extra(),
+            "startup": p.startup,
             "extract_s": round(extract_s, 3),
             "tokens_per_s": round(p.tokens_done / extract_s, 1) if extract_s > 0 else 0.0,
             **({"upload": {"files": self.uploader.files_uploaded, "bytes": self.uploader.bytes_uploaded,

@@ -100,6 +100,28 @@ def test_missing_tokenizer_named(tiny_model, dataset, tmp_path):
     assert not list((tmp_path / "out").rglob("batch-*.safetensors"))
 
 
+def test_startup_milestones_from_the_process_start(tiny_model, dataset, tmp_path):
+    """The summary's, the heartbeat's and the log's `startup`: each phase and milestone once, in the order the
+    worker reaches them, in seconds from the process's own start (so the interpreter's start counts too)."""
+    began = time.time()
+    proc = run_extract(tiny_model, dataset, tmp_path / "out", 0, 1, layers="1,3")
+    ended = time.time()
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.split("SUMMARY ", 1)[1].splitlines()[0])
+    startup = summary["startup"]
+    order = ["importing", "reading_data", "loading_model", "tokenizer_loaded", "model_loaded",
+             "first_window_tokenized", "extracting", "first_forward", "first_file"]
+    assert list(startup) == order, startup  # on CPU: no kernels to tune or warm
+    assert list(startup.values()) == sorted(startup.values()) and startup["importing"] > 0
+    assert startup["first_file"] < ended - began  # from the process's start, not before it
+    assert startup["model_loaded"] - startup["tokenizer_loaded"] >= summary["load_s"] - 0.01
+    heartbeat = json.loads((tmp_path / "out" / "shard-00000-of-00001" / "heartbeat.json").read_text())
+    assert heartbeat["startup"] == {**startup, "done": heartbeat["startup"]["done"]}
+    assert heartbeat["startup"]["done"] >= startup["first_file"]
+    line = next(l for l in proc.stderr.splitlines() if "start-up, from the process start:" in l)
+    assert line.endswith(f"extracting {startup['extracting']:.1f}s") and "model_loaded" in line
+
+
 def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tiny_model, dataset, tmp_path):
     """--random-weights SEED: a model directory without weights extracts (the states of a model made from the
     config and the seed), the same seed gives the same states, another seed others, and the files say so."""

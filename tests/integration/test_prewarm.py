@@ -93,6 +93,9 @@ def test_the_worker_starts_the_children_reports_them_and_not_again_once_the_host
     assert summary["tune"]["procs"] == 2 and summary["tune"]["failed"] == 0
     assert summary["tune"]["seconds"] >= summary["load_s"]  # started before the load, waited for after it
     assert "2 tuning process(es) done " in proc.stderr and "; failed:" not in proc.stderr
+    milestones = list(summary["startup"])  # waited for after the load, before the first window's tokens
+    assert milestones.index("kernels_tuned") == milestones.index("model_loaded") + 1
+    assert summary["startup"]["kernels_tuned"] - summary["startup"]["loading_model"] >= summary["tune"]["seconds"] - 0.5
     assert summary["samples_done"] == summary["samples_total"] > 0
     assert len(list(hsextract.read_samples(tmp_path / "out", verify=True))) == summary["samples_total"]
     marker, = (tmp_path / "triton" / "hsextract-tuned").iterdir()  # every size tuned: the host is marked
@@ -105,7 +108,7 @@ def test_the_worker_starts_the_children_reports_them_and_not_again_once_the_host
     other = run_extract(tiny_model, dataset, tmp_path / "other", 0, 1, "--token-budget", "512", "--device", "cpu",
                         "--tune-procs", "1", layers="1,3", env=cache)
     assert other.returncode == 0 and summary_of(other)["tune"]["procs"] == 1
-    # none by default on CPU: no children, no `tune` in the summary
+    # none by default: no children, no `tune` in the summary
     plain = run_extract(tiny_model, dataset, tmp_path / "plain", 0, 1, "--token-budget", "256", "--device", "cpu",
                         layers="1,3", env=cache)
     assert plain.returncode == 0 and "tune" not in summary_of(plain) and "tuning process" not in plain.stderr

@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+import pytest
+
 from hsextract.liveness import EXIT_NAME, HEARTBEAT_NAME, Heartbeat, Progress, announce_start, write_json_atomic
 
 
@@ -78,3 +80,26 @@ def test_announce_start(capsys):
     out = capsys.readouterr().out
     assert out.startswith("STARTED shard=0/2 pid=")
     assert out == f"STARTED shard=0/2 pid={os.getpid()} version=9.9.9\n"
+
+
+def test_startup_milestones_count_from_the_process_start_once_each():
+    """`Progress.mark` keeps the first time a milestone is reached, from the process's own start (read from
+    /proc: earlier than this module's import); every phase entered is one; a new dict each time, so the
+    heartbeat's thread never reads one that changes under it."""
+    from hsextract import liveness
+
+    assert liveness.PROCESS_START <= liveness.IMPORTED_AT < liveness.PROCESS_START + 120
+    assert liveness.process_started_at() == pytest.approx(liveness.PROCESS_START, abs=0.05)
+    progress = Progress(0, 1, "x")
+    assert progress.startup == {}  # the initial "starting" is not a milestone
+    progress.phase = "importing"
+    before = progress.startup
+    time.sleep(0.02)
+    progress.mark("model_loaded")
+    progress.phase = "importing"  # entered again: the first time stays
+    assert list(progress.startup) == ["importing", "model_loaded"] and before == {"importing": before["importing"]}
+    assert progress.startup["importing"] < progress.startup["model_loaded"]
+    assert progress.startup["model_loaded"] == pytest.approx(time.time() - liveness.PROCESS_START, abs=0.05)
+    assert progress.snapshot()["startup"] == progress.startup
+    assert progress.describe_startup() == (f"importing {progress.startup['importing']:.1f}s, "
+                                           f"model_loaded {progress.startup['model_loaded']:.1f}s")
