@@ -53,7 +53,9 @@ def process_started_at() -> float:
 
 
 IMPORTED_AT = time.time()
-PROCESS_START = process_started_at()
+PROCESS_START = min(IMPORTED_AT, process_started_at())
+if IMPORTED_AT - PROCESS_START > 600:  # a /proc whose clocks disagree (no worker imports this that late)
+    PROCESS_START = IMPORTED_AT
 
 
 def announce_start(shard: int, num_shards: int, version: str) -> None:
