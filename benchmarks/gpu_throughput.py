@@ -520,7 +520,7 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
 
 
 def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *extra: str,
-           random_weights: bool = True, env: dict | None = None) -> dict:
+           random_weights: bool = True, env: dict | None = None, device: str = "cuda") -> dict:
     """`hsextract extract` over the whole dataset (random weights, SEED, unless `random_weights` is False:
     then the checkpoint in `model_dir`); its batch files are deleted once
     journaled, so the disk never holds more than a few. Its summary, with `steady` (tok/s after its first
@@ -528,7 +528,7 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *ex
     import threading
 
     cmd = [sys.executable, "-m", "hsextract", "extract", "--model", str(model_dir), "--data", str(data),
-           "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", "cuda",
+           "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", device,
            "--token-budget", str(budget), "--progress", "log", "--max-length", "4096",
            *(("--random-weights", str(SEED)) if random_weights else ()), *extra]
     env = {**os.environ, **(env or {}),

@@ -146,8 +146,8 @@ def main() -> int:
         if reader:  # a reader beside the worker, from its start: what reading ahead in the worker could gain
             reader.start()
         summary = runs[name] = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, *extra,
-                                      "--device", args.device, random_weights=False,
-                                      env={"TRITON_CACHE_DIR": str(work / cache)})
+                                      random_weights=False, env={"TRITON_CACHE_DIR": str(work / cache)},
+                                      device=args.device)
         if reader:
             reader.join()
         startup = summary.get("startup", {})
