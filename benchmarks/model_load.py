@@ -11,11 +11,11 @@ of `--model-layers` layers as safetensors (5 GB shards), then, each with the pag
     is importable, else the same as the row above;
   - the worker process (`hsextract extract` over `--samples` samples): start to its first batch queued and
     to its first batch file journaled, each phase of its start-up (the summary's `startup`, from the process's
-    own start), and its whole extraction; on a host whose kernels were never tuned (an empty Triton cache:
-    the worker tunes every batch size after the load), with `--tune-procs N` the same with N tuning processes
-    during the load, then twice on the cache the first run left (a host's later starts): alone, and with a
-    reader beside it reading the checkpoint from the worker's start (what reading ahead in the worker, while
-    it imports and starts CUDA, could gain).
+    own start), its read-ahead and its whole extraction; on a host whose kernels were never tuned (an empty
+    Triton cache), with `--tune-procs N` the same with N tuning processes during the load, then three times
+    on the cache the first run left (a host's later starts): as before this session (no read-ahead, kernels
+    warmed after the load), with the read-ahead alone, and as it starts by default (the read-ahead, and the
+    kernels warmed on a thread beside the load).
 Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
 """
 
@@ -25,7 +25,6 @@ import argparse
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -134,26 +133,23 @@ def main() -> int:
     seconds = timed_load(worker_load, args.device)
     row(f"LayerCapture: the worker's load ({paths[0]})", seconds)
     runs = {}
-    plans = [("untuned host (an empty Triton cache)", (), "cold-a", False),
-             *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)), "cold-b",
-                 False)] if args.tune_procs else []),
-             ("tuned host (the cache the first run left)", (), "cold-a", False),
-             ("tuned host, the checkpoint read ahead from the worker's start", (), "cold-a", True)]
-    for name, extra, cache, ahead in plans:
+    old = ("--read-ahead-gb", "0", "--warm-after-load")
+    plans = [("untuned host (an empty Triton cache), default start", (), "cold-a"),
+             *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)), "cold-b")]
+               if args.tune_procs else []),
+             ("tuned host, the old start (no read-ahead, warm-up after the load)", old, "cold-a"),
+             ("tuned host, read-ahead only (warm-up after the load)", ("--warm-after-load",), "cold-a"),
+             ("tuned host, default start (read-ahead, warm-up beside the load)", (), "cold-a")]
+    for name, extra, cache in plans:
         drop_caches()
         shutil.rmtree(work / "out", ignore_errors=True)
-        reader = threading.Thread(target=raw_read, args=(model_dir,), daemon=True) if ahead else None
-        if reader:  # a reader beside the worker, from its start: what reading ahead in the worker could gain
-            reader.start()
         summary = runs[name] = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, *extra,
                                       random_weights=False, env={"TRITON_CACHE_DIR": str(work / cache)},
                                       device=args.device)
-        if reader:
-            reader.join()
         startup = summary.get("startup", {})
         print(f"worker, {name}: load {summary['load_s']} s, tuning {summary.get('tune')}, warm-up "
-              f"{summary.get('warm_s')} s; from its start: " + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()),
-              flush=True)
+              f"{summary.get('warm_s')} s, read-ahead {summary.get('read_ahead')}; from its start: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()), flush=True)
         row(f"worker, {name}: its model load (load_s)", summary["load_s"])
         row(f"worker, {name}: start to first batch (queued)", startup.get("first_forward"))
         row(f"worker, {name}: start to first batch file", startup.get("first_file", summary["first_file_s"]))

@@ -138,9 +138,12 @@ def _extract(opts: WorkerOptions, capture) -> int:
         from .synthetic import run_synthetic  # no torch
 
         return run_synthetic(opts, heartbeat)
+    from .readahead import start_read_ahead
+
+    read_ahead = start_read_ahead(opts)  # the checkpoint into the page cache while torch and CUDA start
     from .extract import run_shard  # imports torch
 
-    return run_shard(opts, heartbeat, capture)
+    return run_shard(opts, heartbeat, capture, read_ahead)
 
 
 def export_command(args) -> int:

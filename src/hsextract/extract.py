@@ -24,7 +24,8 @@ from .liveness import Heartbeat, Progress
 from .options import WorkerOptions
 from .payload import Prepared
 from .preflight import read_model_info
-from .prewarm import SHORTEST, Prewarm, mark_tuned, tuned_marker
+from .prewarm import SHORTEST, Prewarm, WarmThread, mark_tuned, tuned_marker
+from .readahead import ReadAhead
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
 from .records import Bad, Record
 from .shard import Shard, drive
@@ -35,12 +36,14 @@ class ShardRun(Shard):
     """Runs one shard to completion with the model; `run()` returns the summary or raises (the journal stays
     valid)."""
 
-    def __init__(self, opts: WorkerOptions, progress: Progress, capture=LayerCapture):
+    def __init__(self, opts: WorkerOptions, progress: Progress, capture=LayerCapture,
+                 read_ahead: ReadAhead | None = None):
         super().__init__(opts, progress)
         self.make_capture = capture  # the model's forward: a seam where tests inject faults (harness.faulty)
+        self.read_ahead = read_ahead  # the checkpoint read into the page cache since the process start (cli)
         self.load_s: float | None = None  # making the model (read or built) and putting it on the device
         self.warm_s: float | None = None  # tuning the kernels for every batch size before the first batch (CUDA)
-        self.prewarm: Prewarm | None = None  # the child processes that tuned them while the model loaded
+        self.prewarm: Prewarm | WarmThread | None = None  # what tuned them while the model loaded
         self.tuned: Path | None = None  # the file that says this host has tuned them (prewarm.tuned_marker)
         self.tuned_before = False  # it was there at the start: no tuning processes
         self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
@@ -51,6 +54,7 @@ class ShardRun(Shard):
         opts = self.opts
         pending = self.begin()
         if not pending:
+            self.stop_read_ahead()
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
         device = resolve_device(opts.device)
@@ -72,6 +76,8 @@ class ShardRun(Shard):
             if prewarm:
                 prewarm.kill()
             raise
+        finally:
+            self.stop_read_ahead()  # done with the load, or with the worker
         self.load_s = time.monotonic() - started
         self.progress.mark("model_loaded")
         how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
@@ -84,7 +90,8 @@ class ShardRun(Shard):
             except BaseException:  # a stop while waiting: the children go with this worker
                 prewarm.kill()
                 raise
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: {len(prewarm.procs)} tuning process(es) done "
+            who = f"{len(prewarm.procs)} tuning process(es)" if prewarm.procs else "kernels tuned on a thread:"
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: {who} done "
                   f"{prewarm.seconds:.1f}s after their start, {self.load_s:.1f}s of it loading the model"
                   + "".join(f"; failed: {f}" for f in prewarm.failures), file=sys.stderr, flush=True)
             if not prewarm.failures:
@@ -145,15 +152,28 @@ class ShardRun(Shard):
             per += capture.hidden_size * element
         return per + 1  # the non-finite flags: one per sample, at most one per token
 
-    def start_prewarm(self, device: str, dtype: torch.dtype) -> Prewarm | None:
-        """With --tune-procs N, child processes that tune the kernels for every batch size while the model loads
-        (`hsextract.prewarm`); None without it, or when this host tuned the same sizes for the same shapes, GPU
-        and software before (`tuned_marker`). Off by default: on an H100 they did not shorten an untuned
-        host's start (benchmarks/RESULTS.md, issue 20, fifth session)."""
+    def stop_read_ahead(self) -> None:
+        """Stop the read-ahead (the load has read what it needs, or will not); its figures go to the summary."""
+        if self.read_ahead is not None:
+            self.read_ahead.stop()
+
+    def start_prewarm(self, device: str, dtype: torch.dtype) -> Prewarm | WarmThread | None:
+        """On CUDA, what tunes the kernels for every batch size while the model loads (`hsextract.prewarm`): with
+        --tune-procs N, child processes (None when this host tuned the same sizes for the same shapes, GPU and
+        software before: `tuned_marker`; on an H100 they did not shorten an untuned host's start,
+        benchmarks/RESULTS.md, issue 20, fifth session); else a thread of this process (`WarmThread`), unless
+        --warm-after-load."""
         opts, procs = self.opts, self.opts.tune_procs or 0
-        if procs == 0:
-            return None
         sizes = batch_size_buckets(max(1, opts.token_budget // SHORTEST))
+        if procs == 0:
+            if opts.warm_after_load or torch.device(device).type != "cuda":
+                return None
+            try:
+                return WarmThread.start(opts.model, sizes, opts.token_budget, device, dtype)
+            except Exception as exc:  # noqa: BLE001 - the warm-up after the load does it; the load tells of a bad model
+                print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: no kernel tuning beside the load "
+                      f"({type(exc).__name__}: {exc}); they are tuned after it", file=sys.stderr, flush=True)
+                return None
         self.tuned = tuned_marker(opts.model, sizes, device, dtype)
         if self.tuned is not None and self.tuned.exists():
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels tuned on this host before "
@@ -247,13 +267,15 @@ class ShardRun(Shard):
         return Prepared(name, build_payload(tensors, metadata, hashed), ids, lengths)
 
     def summary_extra(self) -> dict:
-        """The GPU's peak memory, the model's load, the kernels' tuning and warm-up."""
+        """The GPU's peak memory, the checkpoint's read-ahead, the model's load, the kernels' tuning and warm-up."""
         return {
+            **({"read_ahead": self.read_ahead.summary()} if self.read_ahead is not None else {}),
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
             **({"warm_s": round(self.warm_s, 3)} if self.warm_s is not None else {}),
             **({"tune": {"procs": len(self.prewarm.procs), "seconds": round(self.prewarm.seconds, 3),
-                         "failed": len(self.prewarm.failures)}} if self.prewarm else
+                         "failed": len(self.prewarm.failures),
+                         **({"thread": True} if isinstance(self.prewarm, WarmThread) else {})}} if self.prewarm else
                {"tune": {"procs": 0, "tuned_before": True}} if self.tuned_before else {}),
         }
 
@@ -369,10 +391,17 @@ def load_tokenizer(model_dir: Path):
 PREWARM_TIMEOUT_S = 900.0
 
 
-def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=None) -> int:
+def run_shard(opts: WorkerOptions, heartbeat: Heartbeat | None = None, capture=None,
+              read_ahead: ReadAhead | None = None) -> int:
     """The body of `hsextract extract` after the STARTED line: returns the process exit code.
 
     `heartbeat`, when given, is already beating (the CLI starts it before torch is imported). `capture` makes
     the object that loads the model and runs the forward pass (`LayerCapture`'s signature and `run`; None:
-    `LayerCapture` itself)."""
-    return drive(lambda o, progress: ShardRun(o, progress, capture or LayerCapture), opts, heartbeat)
+    `LayerCapture` itself). `read_ahead`, when given, is reading the checkpoint (`readahead.start_read_ahead`);
+    it is stopped once the model is loaded, or when the worker ends without loading it."""
+    try:
+        return drive(lambda o, progress: ShardRun(o, progress, capture or LayerCapture, read_ahead), opts,
+                     heartbeat)
+    finally:
+        if read_ahead is not None:
+            read_ahead.stop()

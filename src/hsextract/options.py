@@ -73,6 +73,12 @@ class WorkerOptions:
         "on CUDA, child processes that tune the GPU kernels for every batch size while the model loads "
         "(default 0: none, the worker tunes them after the load; on an H100 8 of them did not start an untuned "
         "host sooner)", metavar="N"))
+    read_ahead_gb: float | None = field(default=None, metadata=option(
+        "read the checkpoint's weights into the page cache from the process start, while torch and CUDA start, "
+        "up to this many GB (default: what the load needs, at most half the host's available memory; 0: off)"))
+    warm_after_load: bool = field(default=False, metadata=option(
+        "on CUDA, tune and warm the GPU kernels for every batch size only after the model's load (default: on a "
+        "thread beside the load, on one module of each kind built from the config with random weights)"))
     status_dir: Path | None = field(default=None, metadata=option("heartbeat/exit files (default: shard dir)"))
     heartbeat_interval: float = field(default=2.0, metadata=option("seconds between heartbeats"))
     log_interval: float = field(default=30.0, metadata=option("seconds between log lines (no terminal)"))
@@ -226,6 +232,8 @@ class WorkerOptions:
             raise UsageError("--synthetic and --random-weights: choose one (--synthetic runs no model at all)")
         if self.tune_procs is not None and self.tune_procs < 0:
             raise UsageError(f"--tune-procs {self.tune_procs}: must be 0 (none) or more")
+        if self.read_ahead_gb is not None and not self.read_ahead_gb >= 0:
+            raise UsageError(f"--read-ahead-gb {self.read_ahead_gb:g}: must be 0 (off) or more")
         if self.upload_memory_bytes <= 0:
             raise UsageError(f"--upload-memory-gb {self.upload_memory_gb:g}: must be positive")
         if self.upload_part_bytes < 5 << 20:

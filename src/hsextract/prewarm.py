@@ -1,4 +1,5 @@
-"""Tune the GPU kernels for every batch size while the model loads, in child processes.
+"""Tune the GPU kernels for every batch size while the model loads: on a thread of the worker (`WarmThread`,
+the default on CUDA), or in child processes (`Prewarm`, with `--tune-procs N`).
 
 fla's delta-rule cumsum kernels take the batch size as a Triton `constexpr` and autotune over 4-6 configs,
 so every batch size compiles and benchmarks them anew: on a fresh H200, ~3 s per size, ~107 s for the 32
@@ -30,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -189,6 +191,65 @@ class Prewarm:
                 proc.wait()
             log.close()
         self._clean()
+
+
+class WarmThread:
+    """The kernels tuned (or, on a tuned host, loaded from Triton's cache) for every batch size on a thread of the
+    worker while its model loads, on `standalone_modules` built before the load starts (on the caller's
+    thread: transformers' model building sets process-wide state, such as torch's default dtype, that the
+    load sets too). The thread only runs those modules, and the load mostly waits on the disk, so the two
+    overlap; the worker's own `warm_up` after the load then finds every size done. `Prewarm`'s interface:
+    `wait`, `kill`, `seconds`, `failures`, `procs` (none)."""
+
+    procs: tuple = ()
+
+    def __init__(self, modules: list[nn.Module], sizes: list[int], token_budget: int, hidden_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.started = time.monotonic()
+        self.seconds: float | None = None
+        self.failures: list[str] = []
+        self.sizes_done = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(modules, sizes, token_budget, hidden_size, device,
+                                                                  dtype), name="hsextract-warm", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str,
+              dtype: torch.dtype) -> "WarmThread":
+        device = torch.device(device)
+        modules, hidden_size = standalone_modules(model_dir, device, dtype)
+        return cls(modules, sizes, token_budget, hidden_size, device, dtype)
+
+    def _run(self, modules, sizes, token_budget, hidden_size, device, dtype) -> None:
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                for size in sizes:
+                    if self._stop.is_set():
+                        return
+                    run_sizes(modules, [size], token_budget, hidden_size, device, dtype)
+                    self.sizes_done += 1
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - the worker's own warm-up tunes what is left, and fails if it must
+            self.failures.append(f"{type(exc).__name__}: {str(exc)[-400:]}")
+        finally:
+            modules.clear()  # their memory goes with the thread's last reference
+
+    def wait(self, timeout: float) -> float:
+        """Wait for the thread, at most `timeout` seconds from its start (then it is told to stop after the size
+        under way, and counted failed); the seconds from its start to its end."""
+        self._thread.join(max(0.0, self.started + timeout - time.monotonic()))
+        if self._thread.is_alive():
+            self.failures.append(f"not done after {timeout:.0f}s: {self.sizes_done} size(s) tuned")
+            self.kill()
+        self.seconds = time.monotonic() - self.started
+        return self.seconds
+
+    def kill(self) -> None:
+        """Stop after the size under way, and wait for that (a kernel cannot be interrupted)."""
+        self._stop.set()
+        self._thread.join()
 
 
 def alive(pid: int) -> bool:

@@ -120,6 +120,11 @@ def test_startup_milestones_from_the_process_start(tiny_model, dataset, tmp_path
     assert heartbeat["startup"]["done"] >= startup["first_file"]
     line = next(l for l in proc.stderr.splitlines() if "start-up, from the process start:" in l)
     assert line.endswith(f"extracting {startup['extracting']:.1f}s") and "model_loaded" in line
+    ahead = summary["read_ahead"]  # the checkpoint read from before torch's import (the tensors layers 0-3 need)
+    assert 0 < ahead["bytes"] == ahead["planned_bytes"] < (tiny_model / "model.safetensors").stat().st_size
+    assert 0 < ahead["done_at"] < startup["model_loaded"] and "error" not in ahead and "stopped" not in ahead
+    off = run_extract(tiny_model, dataset, tmp_path / "off", 0, 1, "--read-ahead-gb", "0", layers="1,3")
+    assert off.returncode == 0 and "read_ahead" not in json.loads(off.stdout.split("SUMMARY ", 1)[1].splitlines()[0])
 
 
 def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tiny_model, dataset, tmp_path):

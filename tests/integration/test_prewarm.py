@@ -17,7 +17,7 @@ import torch
 import hsextract
 from hsextract.errors import UsageError
 from hsextract.options import WorkerOptions
-from hsextract.prewarm import Prewarm, shares, standalone_modules
+from hsextract.prewarm import Prewarm, WarmThread, shares, standalone_modules
 from harness.worker import run_extract, summary_of
 
 
@@ -112,6 +112,24 @@ def test_the_worker_starts_the_children_reports_them_and_not_again_once_the_host
     plain = run_extract(tiny_model, dataset, tmp_path / "plain", 0, 1, "--token-budget", "256", "--device", "cpu",
                         layers="1,3", env=cache)
     assert plain.returncode == 0 and "tune" not in summary_of(plain) and "tuning process" not in plain.stderr
+
+
+def test_the_thread_beside_the_load_runs_every_size_and_stops_when_told(tiny_model):
+    """The default on CUDA (`WarmThread`): modules built on the caller's thread, run on a thread of their own."""
+    sizes = list(range(1, 33))
+    warm = WarmThread.start(tiny_model, sizes, 512, "cpu", torch.float32)
+    assert warm.wait(timeout=120) >= 0 and warm.failures == [] and warm.sizes_done == len(sizes)
+    assert warm.procs == ()  # what the worker's summary counts
+    many = WarmThread.start(tiny_model, list(range(1, 5000)), 1 << 20, "cpu", torch.float32)
+    many.kill()  # stops after the size under way
+    assert many.sizes_done < 4999 and not many._thread.is_alive()
+    slow = WarmThread.start(tiny_model, list(range(1, 5000)), 1 << 20, "cpu", torch.float32)
+    slow.wait(timeout=0.0)
+    assert slow.failures and slow.failures[0].startswith("not done after 0s: ") and not slow._thread.is_alive()
+    # a failure inside the thread is recorded, never raised: the warm-up after the load does what is left
+    odd = WarmThread([torch.nn.Linear(3, 3)], [2], 64, 64, torch.device("cpu"), torch.float32)  # 64 != 3 features
+    odd.wait(timeout=60)
+    assert len(odd.failures) == 1 and odd.failures[0].startswith("RuntimeError: "), odd.failures
 
 
 def test_a_negative_count_is_refused_naming_the_option(tmp_path):

@@ -1,0 +1,177 @@
+"""Read a checkpoint's weights into the page cache on a thread from the worker's start (no torch here).
+
+The model's load begins only once torch, transformers and CUDA have started and the tokenizer and the dataset
+are read: seconds in which the disk would sit idle. `ReadAhead` reads, meanwhile, the byte ranges of the
+safetensors files that the load will ask for (every tensor but those of layers past the last one the worker
+runs, and of the multi-token-prediction head, which no load reads), in file order, so that the load finds
+them in memory or catches up with a read already under way. The page cache is the host's: the workers of
+one host read one checkpoint's pages once between them. It reads no more than half the memory the host has
+available (or `--read-ahead-gb`): beyond that it would evict its own first pages before the load reads them.
+A file it cannot read or parse is left to the load, which says what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import threading
+import time
+from pathlib import Path
+
+from .layers import parse_layer_spec
+from .liveness import PROCESS_START
+from .options import WorkerOptions
+from .preflight import read_model_info
+
+#: bytes per read: large enough to keep the disk busy, small enough that a stop is quick
+CHUNK = 16 << 20
+#: tensors this close together are read as one range (their headers and alignment between them)
+GAP = 1 << 20
+#: a tensor of decoder layer N: `model.layers.N.` or `model.language_model.layers.N.`
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else every `*.safetensors` there."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def needed_ranges(path: Path, keep_layers: int | None, gap: int = GAP) -> list[tuple[int, int]]:
+    """The byte ranges of `path` holding the tensors a load of the first `keep_layers` decoder layers reads
+    (None: every tensor), merged where at most `gap` bytes apart, in file order. OSError/ValueError if `path` is not
+    a readable safetensors file."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        header = json.loads(f.read(length))
+    base, spans = 8 + length, []
+    for name, meta in header.items():
+        if name == "__metadata__" or name.startswith("mtp."):
+            continue
+        layer = LAYER.search(name)
+        if keep_layers is not None and layer and int(layer.group(1)) >= keep_layers:
+            continue
+        begin, end = meta["data_offsets"]
+        spans.append((base + begin, base + end))
+    merged: list[tuple[int, int]] = []
+    for begin, end in sorted(spans):
+        if merged and begin - merged[-1][1] <= gap:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((begin, end))
+    return merged
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class ReadAhead:
+    """The reading thread: `start`, then `stop` (waits for it); `summary` says what it read."""
+
+    def __init__(self, files: list[Path], keep_layers: int | None, limit_bytes: int):
+        self.files, self.keep_layers, self.limit = files, keep_layers, limit_bytes
+        self.bytes_read = 0
+        self.planned = 0  # bytes the load needs, counted as the files' headers are read
+        self.done_at: float | None = None  # seconds from the process start to the reader's end
+        self.seconds = 0.0
+        self.error: str | None = None
+        self.stopped = False  # stopped before the end (the load was done, or the worker failed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hsextract-read-ahead", daemon=True)
+
+    def start(self) -> "ReadAhead":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        started, buffer = time.monotonic(), bytearray(CHUNK)
+        view = memoryview(buffer)
+        try:
+            for path in self.files:
+                ranges = needed_ranges(path, self.keep_layers)
+                self.planned += sum(end - begin for begin, end in ranges)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+                    for begin, end in ranges:
+                        at = begin
+                        while at < end:
+                            if self._stop.is_set() or self.bytes_read >= self.limit:
+                                self.stopped = self._stop.is_set()
+                                return
+                            got = os.preadv(fd, [view[:min(CHUNK, end - at)]], at)
+                            if got <= 0:
+                                break  # a file shorter than its header says: the load tells
+                            at += got
+                            self.bytes_read += got
+                finally:
+                    os.close(fd)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # the load reads the same files and says why
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.seconds = time.monotonic() - started
+            self.done_at = time.time() - PROCESS_START
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the reader to finish on its own (at most `timeout` seconds); whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop reading (a range under way ends within one chunk) and wait for the thread."""
+        self._stop.set()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
+
+    def summary(self) -> dict:
+        """What the summary's `read_ahead` holds: bytes read, of those the load needs (so far as known), the
+        reader's seconds and its end from the process start; `stopped` when it ended before reading them all,
+        `error` when a file could not be read."""
+        out = {"bytes": self.bytes_read, "planned_bytes": self.planned, "seconds": round(self.seconds, 3),
+               "limit_bytes": self.limit}
+        if self.done_at is not None:
+            out["done_at"] = round(self.done_at, 3)
+        if self.stopped:
+            out["stopped"] = True
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+def start_read_ahead(opts: WorkerOptions) -> ReadAhead | None:
+    """A started `ReadAhead` of the checkpoint `opts` will load; None with --read-ahead-gb 0, a model built
+    from its config (--random-weights) or none at all (--synthetic), or where the config or the layers do not
+    parse (the worker's own checks say why, a moment later)."""
+    if opts.synthetic is not None or opts.random_weights is not None or opts.read_ahead_gb == 0:
+        return None
+    try:
+        info = read_model_info(opts.model)
+        layer_ids = parse_layer_spec(opts.layers, info.num_layers)
+        files = weight_files(opts.model)
+    except Exception:  # noqa: BLE001 - reported by the worker's checks, which follow
+        return None
+    if not files:
+        return None
+    keep = info.num_layers if opts.include_last else max(layer_ids) + 1
+    limit = int(opts.read_ahead_gb * 1e9) if opts.read_ahead_gb is not None else (available_memory() or 0) // 2
+    if limit <= 0:
+        return None
+    return ReadAhead(files, keep, limit).start()
