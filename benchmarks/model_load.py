@@ -4,18 +4,21 @@
 
 Saves a Qwen3.6-27B-shaped checkpoint (`gpu_throughput.build_model`'s config, random bf16 weights made on the GPU)
 of `--model-layers` layers as safetensors (5 GB shards), then, each with the page cache dropped first (root:
-/proc/sys/vm/drop_caches; where that is refused the figures say "cache warm"):
+/proc/sys/vm/drop_caches; where that is refused the figures say "cache warm"), or where it says so only the
+checkpoint's pages (posix_fadvise DONTNEED: the libraries the worker imports stay cached, as on a host that ran
+a worker before):
   - raw read: every safetensors file read whole, 64 MiB at a time, nothing else (the disk's ceiling);
-  - from_pretrained into host memory, then `.to("cuda")`: the worker's load before issue 20;
+  - with `--old-load`, from_pretrained into host memory, then `.to("cuda")`: the worker's load before issue 20;
   - LayerCapture: the worker's own load, synchronized: straight to the GPU (`device_map`) where `accelerate`
     is importable, else the same as the row above;
   - the worker process (`hsextract extract` over `--samples` samples): start to its first batch queued and
     to its first batch file journaled, each phase of its start-up (the summary's `startup`, from the process's
     own start), its read-ahead and its whole extraction; on a host whose kernels were never tuned (an empty
     Triton cache), with `--tune-procs N` the same with N tuning processes during the load, then three times
-    on the cache the first run left (a host's later starts): as before this session (no read-ahead, kernels
-    warmed after the load), with the read-ahead alone, and as it starts by default (the read-ahead, and the
-    kernels warmed on a thread beside the load).
+    on the cache the first run left (a host's later starts): as before issue 20's sixth session (no read-ahead,
+    kernels warmed after the load) and as it starts by default (the read-ahead, and the kernels warmed on a
+    thread beside the load), each with everything cold and with only the checkpoint cold; with `--ablation`
+    also the read-ahead alone.
 Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
 """
 
@@ -38,7 +41,7 @@ from hsextract.capture import LayerCapture  # noqa: E402
 from hsextract.layers import parse_layer_spec  # noqa: E402
 
 
-def drop_caches() -> bool:
+def drop_caches(_model_dir: Path | None = None) -> bool:
     """Empty the page cache (root only); False where it is refused."""
     import os
 
@@ -62,6 +65,20 @@ def save_checkpoint(model_dir: Path, device: str) -> int:
     if device == "cuda":
         torch.cuda.empty_cache()
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def evict_checkpoint(model_dir: Path) -> None:
+    """Drop only the checkpoint's pages from the page cache (the libraries the worker imports stay cached: a
+    host that ran a worker before, or had the software just installed)."""
+    import os
+
+    os.sync()
+    for path in model_dir.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def raw_read(model_dir: Path) -> float:
@@ -92,6 +109,9 @@ def main() -> int:
     ap.add_argument("--layers", default="dflash:5")
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--device", default="cuda", help="cuda (the measure) or cpu (a smoke run of this script)")
+    ap.add_argument("--old-load", action="store_true",
+                    help="also from_pretrained into host memory then .to(device) (1.20 x raw on an H100)")
+    ap.add_argument("--ablation", action="store_true", help="also the read-ahead alone (warm-up after the load)")
     ap.add_argument("--tune-procs", type=int, default=0,
                     help="also a run on an untuned host with this many tuning processes (0: none)")
     args = ap.parse_args()
@@ -116,12 +136,15 @@ def main() -> int:
     cold = drop_caches()
     raw_s = raw_read(model_dir)
     row("raw read of the safetensors files", raw_s)
-    from transformers import AutoModelForCausalLM
+    evict_checkpoint(model_dir)
+    row("raw read, only the checkpoint evicted (a check of the eviction)", raw_read(model_dir))
+    if args.old_load:
+        from transformers import AutoModelForCausalLM
 
-    drop_caches()
-    row(f"from_pretrained into host memory, then .to({args.device}) (the old load)", timed_load(
-        lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True)
-        .to(args.device), args.device))
+        drop_caches()
+        row(f"from_pretrained into host memory, then .to({args.device}) (the old load)", timed_load(
+            lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True)
+            .to(args.device), args.device))
     drop_caches()
     paths = []
 
@@ -134,14 +157,18 @@ def main() -> int:
     row(f"LayerCapture: the worker's load ({paths[0]})", seconds)
     runs = {}
     old = ("--read-ahead-gb", "0", "--warm-after-load")
-    plans = [("untuned host (an empty Triton cache), default start", (), "cold-a"),
-             *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)), "cold-b")]
-               if args.tune_procs else []),
-             ("tuned host, the old start (no read-ahead, warm-up after the load)", old, "cold-a"),
-             ("tuned host, read-ahead only (warm-up after the load)", ("--warm-after-load",), "cold-a"),
-             ("tuned host, default start (read-ahead, warm-up beside the load)", (), "cold-a")]
-    for name, extra, cache in plans:
-        drop_caches()
+    plans = [("untuned host (an empty Triton cache), default start", (), "cold-a", drop_caches),
+             *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)), "cold-b",
+                 drop_caches)] if args.tune_procs else []),
+             ("tuned host, all cold: the old start (no read-ahead, warm-up after the load)", old, "cold-a",
+              drop_caches),
+             *([("tuned host, all cold: read-ahead only (warm-up after the load)", ("--warm-after-load",), "cold-a",
+                 drop_caches)] if args.ablation else []),
+             ("tuned host, all cold: default start", (), "cold-a", drop_caches),
+             ("tuned host, libraries cached: the old start", old, "cold-a", evict_checkpoint),
+             ("tuned host, libraries cached: default start", (), "cold-a", evict_checkpoint)]
+    for name, extra, cache, evict in plans:
+        evict(model_dir)
         shutil.rmtree(work / "out", ignore_errors=True)
         summary = runs[name] = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, *extra,
                                       random_weights=False, env={"TRITON_CACHE_DIR": str(work / cache)},

@@ -47,6 +47,7 @@ class ShardRun(Shard):
         self.tuned: Path | None = None  # the file that says this host has tuned them (prewarm.tuned_marker)
         self.tuned_before = False  # it was there at the start: no tuning processes
         self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
+        self.cuda_start_s: float | None = None  # making the CUDA context, on a thread (`CudaStart`)
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, layer_ids: list[int]) -> dict:
@@ -58,6 +59,7 @@ class ShardRun(Shard):
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
         device = resolve_device(opts.device)
+        cuda = CudaStart(device)  # the device's context made while the tokenizer (and transformers) load
         if opts.random_weights is not None:
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: --random-weights {opts.random_weights}: "
                   f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
@@ -66,7 +68,12 @@ class ShardRun(Shard):
         encoder = ChatEncoder(load_tokenizer(opts.model), read_model_info(opts.model).vocab_size, opts.max_length,
                               opts.overlong)  # a broken tokenizer is told before the model's load, not after
         self.progress.mark("tokenizer_loaded")
+        self.cuda_start_s = cuda.wait()
+        if self.cuda_start_s is not None:
+            self.progress.mark("device_ready")
         prewarm = self.start_prewarm(device, dtype)
+        if prewarm:
+            self.progress.mark("tuning_started")
         early = EarlyTokens(encoder, pending[:opts.sort_window])  # the first window, tokenized while the model loads
         started = time.monotonic()
         try:
@@ -271,6 +278,7 @@ class ShardRun(Shard):
         return {
             **({"read_ahead": self.read_ahead.summary()} if self.read_ahead is not None else {}),
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
+            **({"cuda_start_s": round(self.cuda_start_s, 3)} if self.cuda_start_s is not None else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
             **({"warm_s": round(self.warm_s, 3)} if self.warm_s is not None else {}),
             **({"tune": {"procs": len(self.prewarm.procs), "seconds": round(self.prewarm.seconds, 3),
@@ -339,6 +347,37 @@ class ForwardLoopTimer:
 def encode(encoder: ChatEncoder, item: Record | Bad) -> Tokenized | Rejected:
     """A pending record's tokens, or why it is skipped (a record that did not parse is rejected as it was)."""
     return Rejected(item.id, item.reason, item.detail) if isinstance(item, Bad) else encoder.encode(item)
+
+
+class CudaStart:
+    """The CUDA context made on a thread (seconds on a cold host) while the caller goes on importing and loading
+    the tokenizer; `wait` returns the seconds it took (None off CUDA) and raises what it raised. torch releases
+    the GIL while the driver works."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+        self.seconds: float | None = None
+        self.error: BaseException | None = None
+        self.thread = None
+        if self.device.type == "cuda":
+            self.thread = threading.Thread(target=self._run, name="hsextract-cuda-start", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            torch.empty(1, device=self.device)  # initialises CUDA and makes the device's primary context
+        except BaseException as exc:  # noqa: BLE001 - raised on the worker's thread by `wait`
+            self.error = exc
+        self.seconds = time.monotonic() - started
+
+    def wait(self) -> float | None:
+        if self.thread is None:
+            return None
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.seconds
 
 
 class EarlyTokens:
