@@ -242,14 +242,15 @@ class WarmThread:
         self._thread.join(max(0.0, self.started + timeout - time.monotonic()))
         if self._thread.is_alive():
             self.failures.append(f"not done after {timeout:.0f}s: {self.sizes_done} size(s) tuned")
-            self.kill()
+            self.kill(wait=True)  # the worker's own warm-up must not tune beside it
         self.seconds = time.monotonic() - self.started
         return self.seconds
 
-    def kill(self) -> None:
-        """Stop after the size under way, and wait for that (a kernel cannot be interrupted)."""
+    def kill(self, wait: bool = False) -> None:
+        """Stop after the size under way (a kernel's tuning cannot be interrupted): with `wait`, wait for that;
+        else at most a second (the worker is failing or stopping: the daemon thread ends with it)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(None if wait else 1.0)
 
 
 def alive(pid: int) -> bool:

@@ -51,6 +51,8 @@ def needed_ranges(path: Path, keep_layers: int | None, gap: int = GAP) -> list[t
         if len(head) < 8:
             raise ValueError(f"{path}: shorter than a safetensors header")
         (length,) = struct.unpack("<Q", head)
+        if length > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"{path}: its header says {length} bytes, more than the file holds")
         header = json.loads(f.read(length))
     base, spans = 8 + length, []
     for name, meta in header.items():

@@ -132,6 +132,21 @@ def test_the_thread_beside_the_load_runs_every_size_and_stops_when_told(tiny_mod
     assert len(odd.failures) == 1 and odd.failures[0].startswith("RuntimeError: "), odd.failures
 
 
+def test_the_cuda_start_thread_hands_its_error_to_the_worker_s_thread():
+    """`CudaStart` makes the context on a thread; off CUDA it does nothing, and what the thread raised (here: no
+    GPU on this machine) is raised by `wait` on the worker's thread, as the load would have raised it."""
+    from hsextract.extract import CudaStart
+
+    assert CudaStart("cpu").wait() is None
+    if torch.cuda.is_available():
+        assert CudaStart("cuda").wait() >= 0
+        return
+    start = CudaStart("cuda")
+    with pytest.raises((RuntimeError, AssertionError)):
+        start.wait()
+    assert start.seconds is not None and not start.thread.is_alive()
+
+
 def test_a_negative_count_is_refused_naming_the_option(tmp_path):
     opts = WorkerOptions(model=tmp_path, data=tmp_path / "d.jsonl", out=str(tmp_path / "o"), layers="1",
                          tune_procs=-1)

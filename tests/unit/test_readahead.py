@@ -91,6 +91,10 @@ def test_a_file_it_cannot_parse_is_recorded_not_raised(tmp_path):
     ahead = ReadAhead([good, bad, tmp_path / "missing.safetensors"], None, 1 << 40).start()
     assert ahead.wait(60)
     assert ahead.bytes_read == MIB2 and ahead.error.startswith(("JSONDecodeError", "ValueError")), ahead.error
+    huge = tmp_path / "c.safetensors"  # a header length no file holds: refused before any allocation
+    huge.write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(ValueError, match="more than the file holds"):
+        needed_ranges(huge, None)
 
 
 def test_start_reads_a_real_checkpoint_unless_told_not_to(tiny_model, tmp_path):
