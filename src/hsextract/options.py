@@ -71,11 +71,12 @@ class WorkerOptions:
         "synthetic)", metavar="TOKENS_PER_S"))
     tune_procs: int | None = field(default=None, metadata=option(
         "on CUDA, child processes that tune the GPU kernels for every batch size while the model loads "
-        "(default 0: none, the worker tunes them after the load; on an H100 8 of them did not start an untuned "
-        "host sooner)", metavar="N"))
+        "(default 0: none, the worker tunes them on a thread beside the load; on an H100 8 of them did not "
+        "start an untuned host sooner)", metavar="N"))
     read_ahead_gb: float | None = field(default=None, metadata=option(
         "read the checkpoint's weights into the page cache from the process start, while torch and CUDA start, "
-        "up to this many GB (default: what the load needs, at most half the host's available memory; 0: off)"))
+        "up to this many GB (default: what the load needs, at most half the host's available memory; 0: off)",
+        metavar="GB"))
     warm_after_load: bool = field(default=False, metadata=option(
         "on CUDA, tune and warm the GPU kernels for every batch size only after the model's load (default: on a "
         "thread beside the load, on one module of each kind built from the config with random weights)"))
