@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh 5   # torch.compile of every decoder layer's MLP beside the bare forward (32
 #                                      # layers; whole layers did not finish compiling in 490 s: RESULTS.md)
 #   bash benchmarks/gpu_session.sh 6   # the preflight's GPU facts (nvidia-smi, parsed as the preflight does)
+#   bash benchmarks/gpu_session.sh 9   # the worker's imports and steps before its load, timed (startup_imports.py)
 #   bash benchmarks/gpu_session.sh 8   # the host syncs in a forward; the bare forward with the worker's masks made
 #                                      # once and with the model's own; quiet, beside the worker's host work, quiet
 #                                      # again (~5 min)
@@ -90,7 +91,9 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
     timeout 400 python3 benchmarks/gpu_throughput.py --bare-only --no-reference --host-load --ceiling-batches 48 \
         --json "$OUT/load.json" 2>&1 | quiet | tee "$OUT/hostload.log"
     clocks "$OUT/load.json" | tee -a "$OUT/hostload.log" ;;
+9)
+    timeout 300 python3 benchmarks/startup_imports.py 2>&1 | quiet | tee "$OUT/imports.log" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null || true  # clocks() may have stopped it already
