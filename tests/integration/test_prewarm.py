@@ -121,7 +121,7 @@ def test_the_thread_beside_the_load_runs_every_size_and_stops_when_told(tiny_mod
     assert warm.wait(timeout=120) >= 0 and warm.failures == [] and warm.sizes_done == len(sizes)
     assert warm.procs == ()  # what the worker's summary counts
     many = WarmThread.start(tiny_model, list(range(1, 5000)), 1 << 20, "cpu", torch.float32)
-    many.kill()  # stops after the size under way
+    many.kill(wait=True)  # stops after the size under way
     assert many.sizes_done < 4999 and not many._thread.is_alive()
     slow = WarmThread.start(tiny_model, list(range(1, 5000)), 1 << 20, "cpu", torch.float32)
     slow.wait(timeout=0.0)
