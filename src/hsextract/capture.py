@@ -17,6 +17,7 @@ from torch import nn
 from .batching import batch_size_buckets
 from .errors import UsageError
 from .kernels import use_fla_conv
+from .layers import layers_to_load
 from .preflight import read_model_info
 from .prewarm import SHORTEST, linear_attention_modules, run_sizes
 
@@ -48,8 +49,7 @@ class LayerCapture:
         self.hidden_size = self.info.hidden_size
         self.load_path = "made on the device from the seed" if random_weights is not None else ""
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        keep = self.info.num_layers if include_last else max(layer_ids) + 1
-        _truncate_layers(config.get_text_config(), keep)
+        _truncate_layers(config.get_text_config(), layers_to_load(layer_ids, self.info.num_layers, include_last))
         if random_weights is not None:  # no checkpoint read: made where it runs, from the seed
             torch.manual_seed(random_weights)
             with torch.device(self.device):

@@ -24,6 +24,12 @@ def eagle3_layer_ids(num_target_layers: int) -> list[int]:
     return [1, num_target_layers // 2 - 1, num_target_layers - 4]
 
 
+def layers_to_load(layer_ids: list[int], num_layers: int, include_last: bool) -> int:
+    """How many decoder layers the worker loads and runs: up to the last captured one, or all of them when the
+    final normed state is stored too (`--include-last`)."""
+    return num_layers if include_last else max(layer_ids) + 1
+
+
 def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
     """Resolve `dflash:N`, `eagle3` or an explicit `1,16,31` list against a model of `num_layers` layers;
     `SPEC+last` adds the last decoder layer (id L-1, before the final norm) after them, unless it is there:

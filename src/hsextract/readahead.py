@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from .layers import parse_layer_spec
+from .layers import layers_to_load, parse_layer_spec
 from .liveness import PROCESS_START
 from .options import WorkerOptions
 from .preflight import read_model_info
@@ -172,7 +172,7 @@ def start_read_ahead(opts: WorkerOptions) -> ReadAhead | None:
         return None
     if not files:
         return None
-    keep = info.num_layers if opts.include_last else max(layer_ids) + 1
+    keep = layers_to_load(layer_ids, info.num_layers, opts.include_last)
     limit = int(opts.read_ahead_gb * 1e9) if opts.read_ahead_gb is not None else (available_memory() or 0) // 2
     if limit <= 0:
         return None
