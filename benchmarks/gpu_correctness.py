@@ -2,10 +2,12 @@
 
     PYTHONPATH=src python3 benchmarks/gpu_correctness.py [--samples 64] [--hidden 256]
 
-Builds a tiny Qwen3.5 hybrid on the spot, runs `hsextract extract --device cuda` (bf16 by default), reads
-the files back and prints the relative error of every captured layer per sample: worker vs the same sample
-alone in bf16 (`output_hidden_states=True`), and vs an fp32 reference. Exits non-zero on NaN or when an
-error is outside the bf16 range.
+Builds a tiny Qwen3.5 hybrid on the spot (saved in bf16), runs `hsextract extract --device cuda` (bf16 by
+default), reads the files back and prints the relative error of every captured layer per sample: worker vs the
+same sample alone in bf16 (`output_hidden_states=True`), and vs an fp32 reference; and runs the worker again
+with `--load-after-imports`, whose states must equal the first run's (weights preloaded to the GPU beside the
+imports vs read by transformers). Exits non-zero on NaN, when an error is outside the bf16 range, when the
+preload was not used or when the two runs differ.
 """
 
 from __future__ import annotations
@@ -38,15 +40,33 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hsx-gpu-"))
     model_dir = tiny.build_model(work / "model", hidden_size=args.hidden)
+    # saved in bf16, the worker's dtype, as real checkpoints are: its weights are read to the GPU beside its imports
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(model_dir)
     data = tiny.build_dataset(work / "data.jsonl", args.samples, seed=2, words_per_turn=30)
     out = work / "out"
-    cmd = [sys.executable, "-m", "hsextract", "extract", "--model", str(model_dir), "--data", str(data),
-           "--out", str(out), "--layers", args.layers, "--shard", "0", "--num-shards", "1",
-           "--device", "cuda", "--token-budget", "4096", "--progress", "log"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    print(proc.stdout[-1500:], proc.stderr[-3000:])
+
+    def worker(dest: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+        cmd = [sys.executable, "-m", "hsextract", "extract", "--model", str(model_dir), "--data", str(data),
+               "--out", str(dest), "--layers", args.layers, "--shard", "0", "--num-shards", "1",
+               "--device", "cuda", "--token-budget", "4096", "--progress", "log", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(proc.stdout[-1500:], proc.stderr[-3000:])
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
+        return proc, json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
+
+    proc, summary = worker(out)
     if proc.returncode != 0:
         return 1
+    print("the worker's preload:", summary.get("preload"))
+    # the same worker with the weights read by transformers after the imports: the same states, to the bit
+    again, _ = worker(work / "out-files", "--load-after-imports")
+    if again.returncode != 0:
+        return 1
+    firsts = {s["id"]: s["hidden_states"] for s in hsextract.read_samples(out)}
+    unequal = [s["id"] for s in hsextract.read_samples(work / "out-files")
+               if not torch.equal(firsts[s["id"]], s["hidden_states"])]
+    print(f"states with the weights preloaded vs read by transformers after the imports: "
+          f"{len(unequal)} of {len(firsts)} samples differ {unequal[:5]}")
     layer_ids = [int(i) for i in args.layers.split(",")]
     refs = {dt: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).cuda().eval()
             for dt in (torch.bfloat16, torch.float32)}
@@ -66,14 +86,14 @@ def main() -> int:
                 states = model(input_ids=ids, output_hidden_states=True).hidden_states
             for slot, k in enumerate(layer_ids):
                 errors[dt].append(rel(got[:, slot * hidden:(slot + 1) * hidden], states[k + 1][0].cpu()))
-    summary = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("SUMMARY ")).split(" ", 1)[1])
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {summary['samples_done']} samples, "
           f"{summary['files']} files, {summary['tokens_per_s']:.0f} tok/s (tiny model, not a throughput figure)")
     print(f"{'reference':<22}{'median rel err':>16}{'max rel err':>14}")
     for dt, errs in errors.items():
         print(f"{'alone, ' + str(dt).removeprefix('torch.'):<22}{statistics.median(errs):>16.2e}{max(errs):>14.2e}")
     print(f"samples with NaN/Inf: {nan}")
-    ok = nan == 0 and max(errors[torch.bfloat16]) < 2e-2 and max(errors[torch.float32]) < 2e-2
+    ok = nan == 0 and max(errors[torch.bfloat16]) < 2e-2 and max(errors[torch.float32]) < 2e-2 and not unequal \
+        and (summary.get("preload") or {}).get("used")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -5,7 +5,10 @@
 #   bash benchmarks/gpu_session.sh 7   # after 1 on the same machine: the fp8 worker over the same data (its
 #                                      # ratios from part 1's ceilings: fp8_ratios.py), then correctness (~8 min)
 #   bash benchmarks/gpu_session.sh 2   # correctness with the worker's kernels; the 64-layer bare forward's MFU
-#   bash benchmarks/gpu_session.sh 3   # model load against a raw read (32 layers, ~27 GB), tuned host or not
+#   bash benchmarks/gpu_session.sh 3   # model load against a raw read (32 layers, ~27 GB), tuned host or not;
+#                                      # saves the Triton cache it tuned ($OUT/triton-cache.tgz; TRITON_TGZ=it
+#                                      # seeds a later part 3 on the same kind of GPU)
+#   bash benchmarks/gpu_session.sh 10  # correctness (preloaded weights vs transformers' load too), then part 9
 #   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
 #   bash benchmarks/gpu_session.sh 5   # torch.compile of every decoder layer's MLP beside the bare forward (32
 #                                      # layers; whole layers did not finish compiling in 490 s: RESULTS.md)
@@ -71,8 +74,14 @@ case "$1" in
         | grep "model loaded\|kernels warmed" | tail -2; tail -8 "$OUT/correct-full.log" | tee "$OUT/correct.log"
     timeout 300 python3 benchmarks/gpu_throughput.py --model-layers 64 --bare-only --no-reference \
         --ceiling-batches 12 --json "$OUT/tp64.json" 2>&1 | quiet | tee "$OUT/tp64.log" ;;
-3)
-    timeout 560 python3 benchmarks/model_load.py --model-layers 32 2>&1 | quiet | tee "$OUT/load.log" ;;
+3)  # with TRITON_TGZ=<a tarball part 3 saved on this kind of GPU>: a tuned host from the start, no untuned run
+    timeout 560 python3 benchmarks/model_load.py --model-layers 32 ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
+        --save-triton-cache "$OUT/triton-cache.tgz" 2>&1 | quiet | tee "$OUT/load.log" ;;
+10)
+    timeout 300 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
+        | grep "model loaded\|kernels warmed\|preload\|differ" | tail -5; tail -8 "$OUT/correct-full.log" \
+        | tee "$OUT/correct.log"
+    timeout 200 python3 benchmarks/startup_imports.py 2>&1 | quiet | tee "$OUT/imports.log" ;;
 4)
     timeout 560 python3 benchmarks/gpu_throughput.py --model-layers 8 --samples 1000 --naive-samples 5 \
         --json "$OUT/tp8.json" 2>&1 | quiet | tee "$OUT/tp8.log"
@@ -94,6 +103,6 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
 9)
     timeout 300 python3 benchmarks/startup_imports.py 2>&1 | quiet | tee "$OUT/imports.log" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null || true  # clocks() may have stopped it already

@@ -562,6 +562,7 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *ex
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     summary = json.loads(lines[-1].removeprefix("SUMMARY "))
+    summary["log"] = [line for line in proc.stderr.splitlines() if line.startswith("hsextract:")]
     summary["steady"], summary["first_file_tokens"] = steady_state(out)
     journaled = sorted(e["time"] for e in files)
     summary["first_file_s"] = round(journaled[0] - began, 1) if journaled else None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,7 +112,14 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the measure) or cpu (a smoke run of this script)")
     ap.add_argument("--old-load", action="store_true",
                     help="also from_pretrained into host memory then .to(device) (1.20 x raw on an H100)")
-    ap.add_argument("--ablation", action="store_true", help="also the read-ahead alone (warm-up after the load)")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also the read-ahead alone (load and warm-up after the imports)")
+    ap.add_argument("--old-start", action="store_true",
+                    help="also the start before issue 20's sixth session (no read-ahead, warm-up after the load)")
+    ap.add_argument("--triton-cache", type=Path, default=None,
+                    help="a tarball of a tuned Triton cache (--save-triton-cache on this kind of GPU): no untuned run")
+    ap.add_argument("--save-triton-cache", type=Path, default=None,
+                    help="save the cache the untuned run left as a tarball here")
     ap.add_argument("--tune-procs", type=int, default=0,
                     help="also a run on an untuned host with this many tuning processes (0: none)")
     args = ap.parse_args()
@@ -156,30 +164,44 @@ def main() -> int:
     seconds = timed_load(worker_load, args.device)
     row(f"LayerCapture: the worker's load ({paths[0]})", seconds)
     runs = {}
-    old = ("--read-ahead-gb", "0", "--warm-after-load")
-    plans = [("untuned host (an empty Triton cache), default start", (), "cold-a", drop_caches),
-             *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)), "cold-b",
+    cache_dir = work / "triton"
+    if args.triton_cache:  # a host tuned before: the cache a run on this kind of GPU left
+        cache_dir.mkdir()
+        subprocess.run(["tar", "xzf", str(args.triton_cache), "-C", str(cache_dir)], check=True)
+    sixth = ("--load-after-imports",)
+    old = ("--read-ahead-gb", "0", "--warm-after-load", "--load-after-imports")
+    plans = [*([] if args.triton_cache else [("untuned host (an empty Triton cache), default start", (), drop_caches)]),
+             *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)),
                  drop_caches)] if args.tune_procs else []),
-             ("tuned host, all cold: the old start (no read-ahead, warm-up after the load)", old, "cold-a",
-              drop_caches),
-             *([("tuned host, all cold: read-ahead only (warm-up after the load)", ("--warm-after-load",), "cold-a",
-                 drop_caches)] if args.ablation else []),
-             ("tuned host, all cold: default start", (), "cold-a", drop_caches),
-             ("tuned host, libraries cached: the old start", old, "cold-a", evict_checkpoint),
-             ("tuned host, libraries cached: default start", (), "cold-a", evict_checkpoint)]
-    for name, extra, cache, evict in plans:
+             ("tuned host, libraries cached: default start", (), evict_checkpoint),
+             ("tuned host, libraries cached: load after the imports (the sixth session's start)", sixth,
+              evict_checkpoint),
+             *([("tuned host, libraries cached: the old start (no read-ahead, warm-up after the load)", old,
+                 evict_checkpoint)] if args.old_start else []),
+             *([("tuned host, libraries cached: read-ahead only (load and warm-up after the imports)",
+                 ("--load-after-imports", "--warm-after-load"), evict_checkpoint)] if args.ablation else []),
+             ("tuned host, libraries cached: default start, again", (), evict_checkpoint),
+             ("tuned host, all cold: default start", (), drop_caches),
+             *([("tuned host, all cold: the old start", old, drop_caches)] if args.old_start else [])]
+    for name, extra, evict in plans:
         evict(model_dir)
         shutil.rmtree(work / "out", ignore_errors=True)
         summary = runs[name] = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, *extra,
-                                      random_weights=False, env={"TRITON_CACHE_DIR": str(work / cache)},
+                                      random_weights=False, env={"TRITON_CACHE_DIR": str(cache_dir)},
                                       device=args.device)
         startup = summary.get("startup", {})
         print(f"worker, {name}: load {summary['load_s']} s, tuning {summary.get('tune')}, warm-up "
-              f"{summary.get('warm_s')} s, read-ahead {summary.get('read_ahead')}; from its start: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()), flush=True)
+              f"{summary.get('warm_s')} s, read-ahead {summary.get('read_ahead')}, preload {summary.get('preload')}; "
+              f"from its start: " + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()), flush=True)
+        for line in summary.get("log", []):
+            print(f"    {line}", flush=True)
         row(f"worker, {name}: its model load (load_s)", summary["load_s"])
         row(f"worker, {name}: start to first batch (queued)", startup.get("first_forward"))
         row(f"worker, {name}: start to first batch file", startup.get("first_file", summary["first_file_s"]))
+        if args.save_triton_cache and name.startswith("untuned"):
+            subprocess.run(["tar", "czf", str(args.save_triton_cache), "-C", str(cache_dir), "."], check=True)
+            print(f"Triton cache saved: {args.save_triton_cache} ({args.save_triton_cache.stat().st_size / 1e6:.1f} MB)",
+                  flush=True)
     print(f"\n{'what (' + ('cache dropped before each' if cold else 'cache warm: drop_caches refused') + ')':<60} "
           f"{'s':>8} {'GB/s':>8} {'x raw':>7}")
     for name, seconds in rows:

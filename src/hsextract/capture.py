@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from .kernels import use_fla_conv
 from .layers import layers_to_load
 from .preflight import read_model_info
 from .prewarm import SHORTEST, linear_attention_modules, run_sizes
+
+if TYPE_CHECKING:
+    from .preload import Preload
 
 
 def _decoder_backbone(model: nn.Module) -> nn.Module:
@@ -34,7 +38,7 @@ class LayerCapture:
     """A loaded model plus hooks that write the chosen layers' outputs for real tokens into one buffer."""
 
     def __init__(self, model_dir: Path, layer_ids: list[int], include_last: bool, device: str, dtype: torch.dtype,
-                 random_weights: int | None = None):
+                 random_weights: int | None = None, preload: Preload | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -60,11 +64,21 @@ class LayerCapture:
             # else into host memory first, then copied over
             direct = self.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
             self.load_path = "direct to the device" if direct else "through host memory"
+            place = {"device_map": str(self.device)} if direct else {}
+            built = _causal_lm_class(config) if preload is not None else None  # None: remote code, say
+            state = preload.tensors() if built is not None else None  # read while the worker imported
+            if preload is not None and state is None:
+                preload.stop()
             try:
-                model, loading = AutoModelForCausalLM.from_pretrained(
-                    model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
-                    **({"device_map": str(self.device)} if direct else {}),
-                )
+                if state is not None:
+                    self.load_path = "read to the device beside the imports"
+                    model, loading = built[0].from_pretrained(
+                        None, config=built[1], state_dict=state, dtype=dtype, output_loading_info=True, **place)
+                    del state
+                else:
+                    model, loading = AutoModelForCausalLM.from_pretrained(
+                        model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
+                        **place)
             except OSError as exc:  # no weights, or a shard file named by the index is missing
                 raise UsageError(f"--model {str(model_dir)!r}: cannot load weights: {exc}") from None
         missing = [k for k in loading["missing_keys"] if "lm_head" not in k]
@@ -84,17 +98,19 @@ class LayerCapture:
         for slot, layer_id in enumerate(layer_ids):
             self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
 
-    def warm_up(self, token_budget: int, shortest: int = SHORTEST) -> list[int]:
+    def warm_up(self, token_budget: int, shortest: int = SHORTEST, run: bool = True) -> list[int]:
         """Run each kind of linear-attention module once per bucketed batch size a run can meet (up to
         `token_budget // shortest` samples), on random input within the budget: kernels that autotune per
         batch size (fla's cumsum) tune now, not in the middle of the run, and persist their choice on the
         host (fla caches autotune results), so a later process (or `hsextract.prewarm`'s children, before
-        this) finds them. Returns the sizes warmed."""
+        this) finds them. With `run` False the sizes were run in this process already (`WarmThread`, on
+        modules of the same kinds and shapes): only the masks settle. Returns the sizes warmed."""
         modules = linear_attention_modules(self.backbone)
         if not modules:
             return []
         sizes = batch_size_buckets(max(1, token_budget // shortest))
-        run_sizes(modules, sizes, token_budget, self.hidden_size, self.device, self.dtype)
+        if run:
+            run_sizes(modules, sizes, token_budget, self.hidden_size, self.device, self.dtype)
         self.settle_masks()  # its test batch is of a shape just warmed: no kernel compiles or tunes for it
         return sizes
 
@@ -185,6 +201,24 @@ def _masks_made_once(backbone: nn.Module, text_config, vocab_size: int, device: 
     except (TypeError, ValueError, AttributeError, KeyError, RuntimeError):
         return None  # the model does not take a mapping: it makes its masks itself
     return masks if torch.equal(want, got) else None
+
+
+def _causal_lm_class(config):
+    """The class `AutoModelForCausalLM` makes of `config`, and the config it gives that class (a composite
+    config's text part where the class is text-only, as `AutoModelForCausalLM.from_pretrained` does); None where
+    it maps none (remote code, say): the load then goes through `AutoModelForCausalLM` from the files."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        built = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return None
+    text_class = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if text_class is not None and getattr(built, "config_class", None) is text_class:
+        if getattr(config, "quantization_config", None) is not None:
+            return None
+        config = config.get_text_config()
+    return built, config
 
 
 @contextlib.contextmanager

@@ -102,6 +102,19 @@ def confine_shard(opts: WorkerOptions):
     return confine(own, holds, opts.confine)
 
 
+#: packages transformers imports whenever they are installed, which no step of the worker uses: scikit-learn
+#: (transformers' assisted generation imports it at module level; 1.3 s of a GPU host's start, where its image
+#: has it)
+UNUSED_PACKAGES = ("sklearn",)
+
+
+def hide_unused_packages() -> None:
+    """Make `UNUSED_PACKAGES` look not installed to this worker process (an import of one raises ImportError,
+    `importlib.util.find_spec` says None), so that transformers does not import them; one imported already stays."""
+    for name in UNUSED_PACKAGES:
+        sys.modules.setdefault(name, None)
+
+
 def extract(opts: WorkerOptions, capture=None) -> int:
     """`hsextract extract`: the STARTED line, the heartbeat, confinement, then the shard (`run_shard`)."""
     announce_start(opts.shard, opts.num_shards, __version__)
@@ -141,6 +154,7 @@ def _extract(opts: WorkerOptions, capture) -> int:
     from .readahead import start_read_ahead
 
     read_ahead = start_read_ahead(opts)  # the checkpoint into the page cache while torch and CUDA start
+    hide_unused_packages()
     from .extract import run_shard  # imports torch
 
     return run_shard(opts, heartbeat, capture, read_ahead)

@@ -20,11 +20,13 @@ from .batching import batch_size_buckets, pack, padded_tokens
 from .capture import LayerCapture, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
 from .errors import Interrupted, UsageError
+from .layers import layers_to_load
 from .liveness import Heartbeat, Progress
 from .options import WorkerOptions
 from .payload import Prepared
 from .preflight import read_model_info
 from .prewarm import SHORTEST, Prewarm, WarmThread, mark_tuned, tuned_marker
+from .preload import Preload, start_preload
 from .readahead import ReadAhead
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
 from .records import Bad, Record
@@ -48,6 +50,7 @@ class ShardRun(Shard):
         self.tuned_before = False  # it was there at the start: no tuning processes
         self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
         self.cuda_start_s: float | None = None  # making the CUDA context, on a thread (`CudaStart`)
+        self.preload: Preload | None = None  # the weights read to the device beside the imports
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, layer_ids: list[int]) -> dict:
@@ -59,26 +62,35 @@ class ShardRun(Shard):
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
         device = resolve_device(opts.device)
-        cuda = CudaStart(device)  # the device's context made while the tokenizer (and transformers) load
+        cuda = CudaStart(device)  # the device's context made while transformers, the model code, the tokenizer load
         if opts.random_weights is not None:
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: --random-weights {opts.random_weights}: "
                   f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
                   flush=True)
         dtype = resolve_dtype(opts.dtype, device)
-        encoder = ChatEncoder(load_tokenizer(opts.model), read_model_info(opts.model).vocab_size, opts.max_length,
-                              opts.overlong)  # a broken tokenizer is told before the model's load, not after
-        self.progress.mark("tokenizer_loaded")
-        self.cuda_start_s = cuda.wait()
+        self.preload = self.start_preload(layer_ids, device, dtype)  # the weights to the device beside the imports
+        prewarm = None
+        try:
+            prewarm = self.start_prewarm(device, dtype)  # imports the model's code; tunes beside what follows
+            if prewarm:
+                self.progress.mark("tuning_started")
+            encoder = ChatEncoder(load_tokenizer(opts.model), read_model_info(opts.model).vocab_size,
+                                  opts.max_length, opts.overlong)  # a broken tokenizer is told before the load
+            self.progress.mark("tokenizer_loaded")
+            self.cuda_start_s = cuda.wait()
+        except BaseException:
+            if prewarm:
+                prewarm.kill()
+            self.stop_read_ahead()
+            raise
         if self.cuda_start_s is not None:
             self.progress.mark("device_ready")
-        prewarm = self.start_prewarm(device, dtype)
-        if prewarm:
-            self.progress.mark("tuning_started")
         early = EarlyTokens(encoder, pending[:opts.sort_window])  # the first window, tokenized while the model loads
         started = time.monotonic()
         try:
             capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, dtype,
-                                        random_weights=opts.random_weights)
+                                        random_weights=opts.random_weights,
+                                        **({"preload": self.preload} if self.preload is not None else {}))
         except BaseException:
             if prewarm:
                 prewarm.kill()
@@ -90,6 +102,10 @@ class ShardRun(Shard):
         how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
         print(f"hsextract: shard {opts.shard}/{opts.num_shards}: model loaded in {self.load_s:.1f}s on {device}"
               + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
+        if self.preload is not None and not self.preload.taken:
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: the weights read beside the imports "
+                  f"were not used ({self.preload.error or 'the model class is not one transformers maps'}); "
+                  f"transformers read the files", file=sys.stderr, flush=True)
         if prewarm:
             self.prewarm = prewarm
             try:
@@ -106,14 +122,17 @@ class ShardRun(Shard):
             self.progress.mark("kernels_tuned")
         if capture.device.type == "cuda":  # kernels that autotune per batch size: tuned before the first batch
             started = time.monotonic()
-            sizes = capture.warm_up(opts.token_budget)
+            # the thread ran every size on the same kernels in this process: nothing is left to tune or compile
+            beside = isinstance(prewarm, WarmThread) and not prewarm.failures
+            sizes = capture.warm_up(opts.token_budget, run=not beside)
             torch.cuda.synchronize()
             self.warm_s = time.monotonic() - started
             mark_tuned(self.tuned)
             self.progress.mark("kernels_warmed")
             if sizes:
                 print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels warmed for {len(sizes)} batch sizes "
-                      f"(1..{sizes[-1]}) in {self.warm_s:.1f}s", file=sys.stderr, flush=True)
+                      f"(1..{sizes[-1]}) " + ("on the thread beside the load" if beside else f"in {self.warm_s:.1f}s"),
+                      file=sys.stderr, flush=True)
         if capture.settle_masks():  # after the warm-up: its test forward compiles nothing
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: attention masks made once: no host sync per "
                   f"batch", file=sys.stderr, flush=True)
@@ -160,9 +179,27 @@ class ShardRun(Shard):
         return per + 1  # the non-finite flags: one per sample, at most one per token
 
     def stop_read_ahead(self) -> None:
-        """Stop the read-ahead (the load has read what it needs, or will not); its figures go to the summary."""
+        """Stop the read-ahead and the preload (the load has what it needs, or will not); their figures go to the
+        summary."""
         if self.read_ahead is not None:
             self.read_ahead.stop()
+        if self.preload is not None:
+            self.preload.stop()
+
+    def start_preload(self, layer_ids: list[int], device: str, dtype: torch.dtype) -> Preload | None:
+        """The checkpoint's tensors read into the device's memory on a thread while the worker goes on importing
+        (`hsextract.preload`); None with --load-after-imports or --read-ahead-gb 0, for a model built from its
+        seed, or where the load should read the files itself (it is said why)."""
+        opts = self.opts
+        if opts.random_weights is not None or opts.load_after_imports or opts.read_ahead_gb == 0:
+            return None
+        info = read_model_info(opts.model)
+        preload, why = start_preload(opts.model, layers_to_load(layer_ids, info.num_layers, opts.include_last), device,
+                                     dtype)
+        if preload is None:
+            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: the weights are read after the imports, by "
+                  f"transformers: {why}", file=sys.stderr, flush=True)
+        return preload
 
     def start_prewarm(self, device: str, dtype: torch.dtype) -> Prewarm | WarmThread | None:
         """On CUDA, what tunes the kernels for every batch size while the model loads (`hsextract.prewarm`): with
@@ -277,6 +314,7 @@ class ShardRun(Shard):
         """The GPU's peak memory, the checkpoint's read-ahead, the model's load, the kernels' tuning and warm-up."""
         return {
             **({"read_ahead": self.read_ahead.summary()} if self.read_ahead is not None else {}),
+            **({"preload": self.preload.summary()} if self.preload is not None else {}),
             **({"peak_gpu_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_initialized() else {}),
             **({"cuda_start_s": round(self.cuda_start_s, 3)} if self.cuda_start_s is not None else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),

@@ -77,6 +77,9 @@ class WorkerOptions:
         "read the checkpoint's weights into the page cache from the process start, while torch and CUDA start, "
         "up to this many GB (default: what the load needs, at most half the host's available memory; 0: off)",
         metavar="GB"))
+    load_after_imports: bool = field(default=False, metadata=option(
+        "read the weights only once transformers and the model's code are imported, from the files, by "
+        "transformers (default: on a thread beside those imports, straight into the device's memory)"))
     warm_after_load: bool = field(default=False, metadata=option(
         "on CUDA, tune and warm the GPU kernels for every batch size only after the model's load (default: on a "
         "thread beside the load, on one module of each kind built from the config with random weights)"))

@@ -42,10 +42,9 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def needed_ranges(path: Path, keep_layers: int | None, gap: int = GAP) -> list[tuple[int, int]]:
-    """The byte ranges of `path` holding the tensors a load of the first `keep_layers` decoder layers reads
-    (None: every tensor), merged where at most `gap` bytes apart, in file order. OSError/ValueError if `path` is not
-    a readable safetensors file."""
+def read_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's data offset (8 + header length) and header; OSError/ValueError if `path` is not a
+    readable safetensors file."""
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -53,18 +52,32 @@ def needed_ranges(path: Path, keep_layers: int | None, gap: int = GAP) -> list[t
         (length,) = struct.unpack("<Q", head)
         if length > os.fstat(f.fileno()).st_size - 8:
             raise ValueError(f"{path}: its header says {length} bytes, more than the file holds")
-        header = json.loads(f.read(length))
-    base, spans = 8 + length, []
-    for name, meta in header.items():
-        if name == "__metadata__" or name.startswith("mtp."):
-            continue
-        layer = LAYER.search(name)
-        if keep_layers is not None and layer and int(layer.group(1)) >= keep_layers:
-            continue
-        begin, end = meta["data_offsets"]
-        spans.append((base + begin, base + end))
+        return 8 + length, json.loads(f.read(length))
+
+
+def loaded(name: str, keep_layers: int | None) -> bool:
+    """Whether the worker's load reads tensor `name`: not a layer past the first `keep_layers` (None: all), not
+    the multi-token-prediction head, not lm_head (the worker drops it; made, not read, where it is left out)."""
+    if name == "__metadata__" or name.startswith(("mtp.", "lm_head.")):
+        return False
+    layer = LAYER.search(name)
+    return keep_layers is None or not layer or int(layer.group(1)) < keep_layers
+
+
+def needed_ranges(path: Path, keep_layers: int | None, gap: int = GAP) -> list[tuple[int, int]]:
+    """The byte ranges of `path` holding the tensors a load of the first `keep_layers` decoder layers reads
+    (None: every layer; `loaded`), merged where at most `gap` bytes apart, in file order. OSError/ValueError if
+    `path` is not a readable safetensors file."""
+    base, header = read_header(path)
+    spans = sorted((base + meta["data_offsets"][0], base + meta["data_offsets"][1])
+                   for name, meta in header.items() if loaded(name, keep_layers))
+    return merge(spans, gap)
+
+
+def merge(spans: list[tuple[int, int]], gap: int = GAP) -> list[tuple[int, int]]:
+    """Sorted byte ranges merged where at most `gap` bytes apart."""
     merged: list[tuple[int, int]] = []
-    for begin, end in sorted(spans):
+    for begin, end in spans:
         if merged and begin - merged[-1][1] <= gap:
             merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
         else:

@@ -1,0 +1,255 @@
+"""The checkpoint's tensors read from its files straight into the model's device on a thread, while the worker
+goes on importing transformers and the model's code and loading the tokenizer.
+
+Those imports hold the interpreter for seconds (10-14 s on a GPU host's image), and the model's load used to
+begin only after them: `Preload` starts as soon as torch is imported. Every tensor the load needs
+(`readahead.loaded`: not layers past the last one run, not the MTP head, not lm_head, which the worker drops) gets
+device memory of its own; the file is read in chunks into two pinned host buffers in turn, each copied to the
+device on a side stream while the next is read (one copy in host memory, page cache to pinned buffer, and none
+after it). On a CPU device the bytes are read straight into the tensors. The reads release the interpreter's
+lock, so the imports go on beside them, and they follow `ReadAhead`, which reads the same bytes into the page
+cache from the process's start.
+
+transformers then builds the model around these tensors (`from_pretrained(state_dict=...)`: the same renames and
+conversions as from the files, and no copy where the dtype is the run's). Not used, the load reading the files
+itself as before, when the checkpoint is quantized (its config has a `quantization_config`), holds a dtype torch
+does not know, or more than 1/16 of its bytes are of a dtype other than the run's (transformers would convert
+them, and the preloaded and converted tensors would both be held).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .liveness import PROCESS_START
+from .readahead import CHUNK, loaded, merge, read_header, weight_files
+
+#: safetensors' dtype names
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+#: the share of a checkpoint's bytes that may be of another dtype than the run's (converted by transformers)
+OTHER_DTYPE_SHARE = 1 / 16
+
+
+class Entry:
+    """One tensor to read: its name, dtype, shape and byte range in its file."""
+    __slots__ = ("name", "dtype", "shape", "begin", "end")
+
+    def __init__(self, name: str, dtype: torch.dtype, shape: list[int], begin: int, end: int):
+        self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
+
+
+def plan(files: list[Path], keep_layers: int | None) -> list[tuple[Path, list[Entry]]]:
+    """Per file, the tensors the load reads, in file order. ValueError naming the file and tensor where a header
+    is not what it should be; OSError where a file cannot be read."""
+    out = []
+    for path in files:
+        base, header = read_header(path)
+        entries = []
+        for name, meta in header.items():
+            if not loaded(name, keep_layers):
+                continue
+            try:
+                dtype = DTYPES[meta["dtype"]]
+                (begin, end), shape = meta["data_offsets"], [int(n) for n in meta["shape"]]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{path}: tensor {name!r}: dtype {meta.get('dtype')!r} or its offsets or shape "
+                                 f"are not what this worker reads") from None
+            if end - begin != _numel(shape) * dtype.itemsize or begin < 0:
+                raise ValueError(f"{path}: tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
+            entries.append(Entry(name, dtype, shape, base + begin, base + end))
+        entries.sort(key=lambda e: e.begin)
+        out.append((path, entries))
+    return out
+
+
+def why_not(model_dir: Path, files: list[tuple[Path, list[Entry]]], dtype: torch.dtype) -> str | None:
+    """Why the load should read the files itself (None: preload): a quantized checkpoint, or too many bytes of
+    another dtype than the run's."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "its config.json does not read"  # the load says what is wrong with it
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if "quantization_config" in config or "quantization_config" in text:
+        return "a quantized checkpoint (transformers' quantizer reads the files)"
+    total = sum(e.end - e.begin for _, entries in files for e in entries)
+    other = sum(e.end - e.begin for _, entries in files for e in entries if e.dtype != dtype)
+    if total and other > total * OTHER_DTYPE_SHARE:
+        return (f"{other / total:.0%} of its bytes are not {str(dtype).removeprefix('torch.')} (converted by "
+                f"transformers, they would be held twice)")
+    return None
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _writable(tensor: torch.Tensor, offset: int = 0, length: int | None = None) -> memoryview:
+    """The bytes of a contiguous host tensor (pinned or not) as a writable buffer, for `os.preadv`."""
+    size = tensor.numel() * tensor.element_size() if length is None else length
+    return memoryview((ctypes.c_ubyte * size).from_address(tensor.data_ptr() + offset)).cast("B")
+
+
+class Preload:
+    """The reading thread: `start`, then `tensors` (waits; the state dict, or None with `error`/`stopped` set), or
+    `stop`; `summary` says what it read."""
+
+    def __init__(self, files: list[tuple[Path, list[Entry]]], device: torch.device, chunk: int = CHUNK):
+        self.files, self.device, self.chunk = files, device, chunk
+        self.planned = sum(e.end - e.begin for _, entries in files for e in entries)
+        self.bytes_read = 0
+        self.seconds = 0.0
+        self.done_at: float | None = None  # seconds from the process start to the reader's end
+        self.error: str | None = None
+        self.stopped = False
+        self.taken = False  # the tensors went to the model's load
+        self._out: dict[str, torch.Tensor] | None = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hsextract-preload", daemon=True)
+
+    def start(self) -> "Preload":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            if self.device.type == "cuda":
+                self._to_cuda()
+            else:
+                self._to_host()
+        except Exception as exc:  # noqa: BLE001 - the load reads the same files itself and says what is wrong
+            self.error = f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            self.stopped = self._stop.is_set()
+            self.seconds = time.monotonic() - started
+            self.done_at = time.time() - PROCESS_START
+
+    def _alloc(self, entry: Entry) -> torch.Tensor:
+        raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8, device=self.device)
+        self._out[entry.name] = raw.view(entry.dtype).view(entry.shape)
+        return raw
+
+    def _to_host(self) -> None:
+        for path, entries in self.files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for entry in entries:
+                    raw = self._alloc(entry)
+                    at = 0
+                    while at < raw.numel():
+                        if self._stop.is_set():
+                            return
+                        got = os.preadv(fd, [_writable(raw, at, min(self.chunk, raw.numel() - at))], entry.begin + at)
+                        if got <= 0:
+                            raise ValueError(f"{path}: ends inside tensor {entry.name!r}")
+                        at += got
+                        self.bytes_read += got
+            finally:
+                os.close(fd)
+
+    def _to_cuda(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        staging = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        copied = [torch.cuda.Event(), torch.cuda.Event()]
+        turn = 0
+        try:
+            for path, entries in self.files:
+                with torch.cuda.stream(stream):  # memory of this stream's own: no kernel elsewhere still uses it
+                    raws = [self._alloc(e) for e in entries]
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    first = 0  # the first entry not wholly copied yet
+                    for begin, end in merge([(e.begin, e.end) for e in entries], gap=0):
+                        at = begin
+                        while at < end:
+                            if self._stop.is_set():
+                                return
+                            buffer = staging[turn]
+                            copied[turn].synchronize()  # its previous chunk is on the device
+                            got = os.preadv(fd, [_writable(buffer, 0, min(self.chunk, end - at))], at)
+                            if got <= 0:
+                                raise ValueError(f"{path}: ends at byte {at}, inside a tensor its header names")
+                            with torch.cuda.stream(stream):
+                                while first < len(entries) and entries[first].end <= at:
+                                    first += 1
+                                i = first
+                                while i < len(entries) and entries[i].begin < at + got:
+                                    e = entries[i]
+                                    lo, hi = max(e.begin, at), min(e.end, at + got)
+                                    if hi > lo:
+                                        raws[i][lo - e.begin:hi - e.begin].copy_(buffer[lo - at:hi - at],
+                                                                                 non_blocking=True)
+                                    i += 1
+                                copied[turn].record(stream)
+                            turn ^= 1
+                            at += got
+                            self.bytes_read += got
+                finally:
+                    os.close(fd)
+        finally:
+            stream.synchronize()  # every copy landed (or, stopped, none still reads the pinned buffers)
+
+    def tensors(self) -> dict[str, torch.Tensor] | None:
+        """Wait for the reader; the tensors by their checkpoint names (handed over once: the caller holds them),
+        or None where it failed (`error`) or was stopped."""
+        self._thread.join()
+        if self.error or self.stopped:
+            self.stop()  # drops what it read
+            return None
+        out, self._out = self._out, None
+        self.taken = True
+        return out
+
+    def stop(self) -> None:
+        """Stop reading (within one chunk), wait for the thread and drop what it read."""
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join()
+        if self._out and self.device.type == "cuda":
+            self._out = None
+            torch.cuda.empty_cache()  # the side stream's memory back to the device, for a load from the files
+        self._out = None
+
+    def summary(self) -> dict:
+        """The summary's `preload`: bytes read of those planned, tensors, seconds, its end from the process start;
+        `used` whether the model was built around them; `error` or `stopped` where not."""
+        out = {"bytes": self.bytes_read, "planned_bytes": self.planned,
+               "tensors": sum(len(entries) for _, entries in self.files), "seconds": round(self.seconds, 3),
+               "used": self.taken}
+        if self.done_at is not None:
+            out["done_at"] = round(self.done_at, 3)
+        if self.stopped:
+            out["stopped"] = True
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+def start_preload(model_dir: Path, keep_layers: int | None, device: str,
+                  dtype: torch.dtype) -> tuple[Preload | None, str | None]:
+    """A started `Preload` of what the load of `model_dir`'s first `keep_layers` layers reads, or None and why not
+    (the load then reads the files itself, and says what is wrong with one that does not read)."""
+    try:
+        files = weight_files(model_dir)
+        if not files:
+            return None, "no safetensors files"
+        entries = plan(files, keep_layers)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    reason = why_not(model_dir, entries, dtype)
+    if reason:
+        return None, reason
+    return Preload(entries, torch.device(device)).start(), None
