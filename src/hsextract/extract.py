@@ -31,7 +31,7 @@ from .readahead import ReadAhead
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
 from .records import Bad, Record
 from .shard import Shard, drive
-from .writer import BAD_KEY, BatchWriter
+from .writer import BAD_KEY, BatchWriter, writer_staging
 
 
 class ShardRun(Shard):
@@ -83,8 +83,12 @@ class ShardRun(Shard):
                 prewarm.kill()
             self.stop_read_ahead()
             raise
+        staging = None
         if self.cuda_start_s is not None:
             self.progress.mark("device_ready")
+            # the writer's pinned sets, pinned beside the load rather than beside the first batches' launches
+            staging = writer_staging(torch.device(device), opts.hash_threads or None, self.token_bytes(
+                layer_ids, read_model_info(opts.model).hidden_size, dtype, opts.include_last), opts.token_budget)
         early = EarlyTokens(encoder, pending[:opts.sort_window])  # the first window, tokenized while the model loads
         started = time.monotonic()
         try:
@@ -150,7 +154,8 @@ class ShardRun(Shard):
         print(f"hsextract: shard {opts.shard}/{opts.num_shards}: start-up, from the process start: "
               f"{self.progress.describe_startup()}", file=sys.stderr, flush=True)
         writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
-                             bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget)
+                             bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget,
+                             staging=staging)
         self.loop = ForwardLoopTimer(capture.device)
         batches = pack(self.encoded(encoder, pending, first), opts.token_budget, opts.sort_window)
         try:
@@ -169,13 +174,15 @@ class ShardRun(Shard):
 
     def bytes_per_token(self, capture: LayerCapture) -> int:
         """Host bytes a token's states take on their way to a file (what a pinned set is sized from)."""
-        element = torch.empty(0, dtype=capture.dtype).element_size()
-        if self.opts.out_dtype == "fp8_e4m3":
-            per = fp8_bytes_per_token(capture.width, len(capture.layer_ids))
-        else:
-            per = capture.width * element
-        if capture.include_last:
-            per += capture.hidden_size * element
+        return self.token_bytes(capture.layer_ids, capture.hidden_size, capture.dtype, capture.include_last)
+
+    def token_bytes(self, layer_ids: list[int], hidden_size: int, dtype: torch.dtype, include_last: bool) -> int:
+        """`bytes_per_token` of a capture of these layers, known before the model loads."""
+        element = torch.empty(0, dtype=dtype).element_size()
+        width = len(layer_ids) * hidden_size
+        per = fp8_bytes_per_token(width, len(layer_ids)) if self.opts.out_dtype == "fp8_e4m3" else width * element
+        if include_last:
+            per += hidden_size * element
         return per + 1  # the non-finite flags: one per sample, at most one per token
 
     def stop_read_ahead(self) -> None:

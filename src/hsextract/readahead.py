@@ -16,6 +16,7 @@ import json
 import os
 import re
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,8 +26,12 @@ from .liveness import PROCESS_START
 from .options import WorkerOptions
 from .preflight import read_model_info
 
-#: bytes per read: large enough to keep the disk busy, small enough that a stop is quick
-CHUNK = 16 << 20
+#: bytes per read: large enough to keep the disk busy and to need the interpreter's lock seldom (each read
+#: returns to Python, and waits for the lock the imports hold), small enough that a stop is quick
+CHUNK = 64 << 20
+#: the interpreter's switch interval while the readers run beside the imports (Python's default is 5 ms): a
+#: reader whose read returned waits at most this long for the lock
+READER_SWITCH_S = 0.001
 #: tensors this close together are read as one range (their headers and alignment between them)
 GAP = 1 << 20
 #: a tensor of decoder layer N: `model.layers.N.` or `model.language_model.layers.N.`
@@ -109,9 +114,12 @@ class ReadAhead:
         self.error: str | None = None
         self.stopped = False  # stopped before the end (the load was done, or the worker failed)
         self._stop = threading.Event()
+        self._switch: float | None = None  # the switch interval to restore at `stop`
         self._thread = threading.Thread(target=self._run, name="hsextract-read-ahead", daemon=True)
 
     def start(self) -> "ReadAhead":
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, READER_SWITCH_S))  # until `stop`: the load is done
         self._thread.start()
         return self
 
@@ -155,6 +163,9 @@ class ReadAhead:
         self._stop.set()
         if self._thread.ident is not None:  # started
             self._thread.join()
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
 
     def summary(self) -> dict:
         """What the summary's `read_ahead` holds: bytes read, of those the load needs (so far as known), the

@@ -51,15 +51,12 @@ class BatchWriter:
     """
 
     def __init__(self, shard: ShardRun, device: torch.device, depth: int | None = None,
-                 hash_workers: int | None = None, bytes_per_token: int = 0, token_budget: int = 0):
+                 hash_workers: int | None = None, bytes_per_token: int = 0, token_budget: int = 0,
+                 staging: HostStaging | None = None):
         self.shard = shard
         self.hash_workers = hash_workers or default_hash_workers()
-        depth = depth or self.hash_workers + 4  # one filling, one copying, one laid out, hashed ones, one writing
-        set_bytes = 0
-        if bytes_per_token and token_budget:  # each pinned set made up front for a full batch
-            depth, set_bytes = staging_plan(bytes_per_token, token_budget, depth)
-        self.staging = HostStaging(device, depth, set_bytes)
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.staging = staging or writer_staging(device, self.hash_workers, bytes_per_token, token_budget, depth)
+        self.queue: queue.Queue = queue.Queue(maxsize=self.staging.depth)
         self.hashing = ThreadPoolExecutor(self.hash_workers, thread_name_prefix="hsextract-hash")
         self.landing: queue.Queue = queue.Queue(maxsize=self.hash_workers)
         self.sealing: queue.Queue = queue.Queue(maxsize=1)
@@ -166,6 +163,17 @@ class BatchWriter:
         self.hashing.shutdown()
         if self.error:
             raise self.error
+
+
+def writer_staging(device: torch.device, hash_workers: int | None = None, bytes_per_token: int = 0,
+                   token_budget: int = 0, depth: int | None = None) -> HostStaging:
+    """The pinned sets a `BatchWriter` with these settings uses, their pinning begun on a thread (the worker
+    makes them while its model loads: pinning holds the driver, and would delay the first batches' launches)."""
+    depth = depth or (hash_workers or default_hash_workers()) + 4  # filling, copying, laid out, hashed, writing
+    set_bytes = 0
+    if bytes_per_token and token_budget:  # each pinned set made up front for a full batch
+        depth, set_bytes = staging_plan(bytes_per_token, token_budget, depth)
+    return HostStaging(device, depth, set_bytes)
 
 
 def default_hash_workers() -> int:
