@@ -75,6 +75,7 @@ case "$1" in
     timeout 300 python3 benchmarks/gpu_throughput.py --model-layers 64 --bare-only --no-reference \
         --ceiling-batches 12 --json "$OUT/tp64.json" 2>&1 | quiet | tee "$OUT/tp64.log" ;;
 3)  # with TRITON_TGZ=<a tarball part 3 saved on this kind of GPU>: a tuned host from the start, no untuned run
+    rm -rf /tmp/hsx-load-*  # a checkpoint a failed run left
     timeout 560 python3 benchmarks/model_load.py --model-layers ${MODEL_LAYERS:-32} ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         --save-triton-cache "$OUT/triton-cache.tgz" 2>&1 | quiet | tee "$OUT/load.log" ;;
 10)

@@ -25,6 +25,7 @@ Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def timed_load(make, device: str) -> float:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     del loaded
+    gc.collect()  # a LayerCapture's hooks hold it in a cycle: its memory must go before a worker loads
     if device == "cuda":
         torch.cuda.empty_cache()
     return seconds

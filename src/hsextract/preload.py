@@ -53,6 +53,7 @@ def plan(files: list[Path], keep_layers: int | None) -> list[tuple[Path, list[En
     out = []
     for path in files:
         base, header = read_header(path)
+        size = path.stat().st_size
         entries = []
         for name, meta in header.items():
             if not loaded(name, keep_layers):
@@ -65,6 +66,9 @@ def plan(files: list[Path], keep_layers: int | None) -> list[tuple[Path, list[En
                                  f"are not what this worker reads") from None
             if end - begin != _numel(shape) * dtype.itemsize or begin < 0:
                 raise ValueError(f"{path}: tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
+            if base + end > size:
+                raise ValueError(f"{path}: tensor {name!r} ends at byte {base + end}, past the file's end ({size}): "
+                                 f"a file cut short?")
             entries.append(Entry(name, dtype, shape, base + begin, base + end))
         entries.sort(key=lambda e: e.begin)
         out.append((path, entries))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -123,8 +124,33 @@ def test_startup_milestones_from_the_process_start(tiny_model, dataset, tmp_path
     ahead = summary["read_ahead"]  # the checkpoint read from before torch's import (the tensors layers 0-3 need)
     assert 0 < ahead["bytes"] == ahead["planned_bytes"] < (tiny_model / "model.safetensors").stat().st_size
     assert 0 < ahead["done_at"] < startup["model_loaded"] and "error" not in ahead and "stopped" not in ahead
+    preload = summary["preload"]  # the tensors read into the model's memory beside the imports, and used
+    assert preload["used"] is True and 0 < preload["bytes"] == preload["planned_bytes"] <= ahead["bytes"]
+    assert 0 < preload["done_at"] < startup["model_loaded"] and "error" not in preload and "stopped" not in preload
+    assert "(read to the device beside the imports)" in proc.stderr
+    files = run_extract(tiny_model, dataset, tmp_path / "files", 0, 1, "--load-after-imports", layers="1,3")
+    assert files.returncode == 0 and "(through host memory)" in files.stderr, files.stderr
+    later = json.loads(files.stdout.split("SUMMARY ", 1)[1].splitlines()[0])
+    assert "preload" not in later and later["read_ahead"]["bytes"] == ahead["bytes"]
     off = run_extract(tiny_model, dataset, tmp_path / "off", 0, 1, "--read-ahead-gb", "0", layers="1,3")
-    assert off.returncode == 0 and "read_ahead" not in json.loads(off.stdout.split("SUMMARY ", 1)[1].splitlines()[0])
+    assert off.returncode == 0
+    assert not {"read_ahead", "preload"} & set(json.loads(off.stdout.split("SUMMARY ", 1)[1].splitlines()[0]))
+
+
+def test_the_worker_hides_scikit_learn_from_transformers(tmp_path):
+    """transformers imports scikit-learn at module level where it is installed (5.17, on the GPU machine's image:
+    1.3 s of the worker's start); the worker makes it look absent. A stand-in package shows both sides."""
+    (tmp_path / "sklearn").mkdir()
+    (tmp_path / "sklearn" / "__init__.py").write_text("__version__ = '1.0'\n")
+    (tmp_path / "scikit_learn-1.0.dist-info").mkdir()
+    (tmp_path / "scikit_learn-1.0.dist-info" / "METADATA").write_text("Name: scikit-learn\nVersion: 1.0\n")
+    probe = ("import sys; from hsextract.cli import hide_unused_packages\n"
+             "if sys.argv[1] == 'hide': hide_unused_packages()\n"
+             "from transformers.utils import is_sklearn_available; print(is_sklearn_available())")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    seen = {how: subprocess.run([sys.executable, "-c", probe, how], capture_output=True, text=True, env=env,
+                                check=True).stdout.strip() for how in ("show", "hide")}
+    assert seen == {"show": "True", "hide": "False"}
 
 
 def test_random_weights_need_only_the_config_and_tokenizer_and_are_the_seeds(tiny_model, dataset, tmp_path):
