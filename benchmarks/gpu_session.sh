@@ -9,6 +9,7 @@
 #                                      # saves the Triton cache it tuned ($OUT/triton-cache.tgz; TRITON_TGZ=it
 #                                      # seeds a later part 3 on the same kind of GPU)
 #   bash benchmarks/gpu_session.sh 10  # correctness (preloaded weights vs transformers' load too), then part 9
+#   bash benchmarks/gpu_session.sh 11  # correctness, then the model load at 64 layers (TRITON_TGZ: seeded cache)
 #   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
 #   bash benchmarks/gpu_session.sh 5   # torch.compile of every decoder layer's MLP beside the bare forward (32
 #                                      # layers; whole layers did not finish compiling in 490 s: RESULTS.md)
@@ -78,6 +79,13 @@ case "$1" in
     rm -rf /tmp/hsx-load-*  # a checkpoint a failed run left
     timeout 560 python3 benchmarks/model_load.py --model-layers ${MODEL_LAYERS:-32} ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         --save-triton-cache "$OUT/triton-cache.tgz" 2>&1 | quiet | tee "$OUT/load.log" ;;
+11)  # correctness (part 10's), then a 64-layer model load from a seeded Triton cache, within one call
+    timeout 200 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
+        | grep "model loaded\|kernels warmed\|preload\|differ" | tail -5; tail -8 "$OUT/correct-full.log" \
+        | tee "$OUT/correct.log"
+    rm -rf /tmp/hsx-load-*
+    timeout 380 python3 benchmarks/model_load.py --model-layers 64 --quick ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
+        2>&1 | quiet | tee "$OUT/load64.log" ;;
 10)
     timeout 300 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
         | grep "model loaded\|kernels warmed\|preload\|differ" | tail -5; tail -8 "$OUT/correct-full.log" \
@@ -104,6 +112,6 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
 9)
     timeout 300 python3 benchmarks/startup_imports.py 2>&1 | quiet | tee "$OUT/imports.log" ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null || true  # clocks() may have stopped it already

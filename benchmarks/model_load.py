@@ -116,6 +116,8 @@ def main() -> int:
                     help="also from_pretrained into host memory then .to(device) (1.20 x raw on an H100)")
     ap.add_argument("--ablation", action="store_true",
                     help="also the read-ahead alone (load and warm-up after the imports)")
+    ap.add_argument("--quick", action="store_true",
+                    help="no eviction check, no LayerCapture row: the raw read, then the workers")
     ap.add_argument("--old-start", action="store_true",
                     help="also the start before issue 20's sixth session (no read-ahead, warm-up after the load)")
     ap.add_argument("--triton-cache", type=Path, default=None,
@@ -146,8 +148,9 @@ def main() -> int:
     cold = drop_caches()
     raw_s = raw_read(model_dir)
     row("raw read of the safetensors files", raw_s)
-    evict_checkpoint(model_dir)
-    row("raw read, only the checkpoint evicted (a check of the eviction)", raw_read(model_dir))
+    if not args.quick:
+        evict_checkpoint(model_dir)
+        row("raw read, only the checkpoint evicted (a check of the eviction)", raw_read(model_dir))
     if args.old_load:
         from transformers import AutoModelForCausalLM
 
@@ -163,8 +166,12 @@ def main() -> int:
         paths.append(capture.load_path)
         return capture
 
-    seconds = timed_load(worker_load, args.device)
-    row(f"LayerCapture: the worker's load ({paths[0]})", seconds)
+    if not args.quick:
+        seconds = timed_load(worker_load, args.device)
+        row(f"LayerCapture: the worker's load ({paths[0]})", seconds)
+        torch.cuda.synchronize() if args.device == "cuda" else None
+        print(f"after it, this process holds {torch.cuda.memory_allocated() / 1e9:.2f} GB on the GPU"
+              if args.device == "cuda" else "", flush=True)
     runs = {}
     cache_dir = work / "triton"
     if args.triton_cache:  # a host tuned before: the cache a run on this kind of GPU left

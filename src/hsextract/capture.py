@@ -72,8 +72,9 @@ class LayerCapture:
             try:
                 if state is not None:
                     self.load_path = "read to the device beside the imports"
-                    model, loading = built[0].from_pretrained(
-                        None, config=built[1], state_dict=state, dtype=dtype, output_loading_info=True, **place)
+                    with _no_allocator_warmup():
+                        model, loading = built[0].from_pretrained(
+                            None, config=built[1], state_dict=state, dtype=dtype, output_loading_info=True, **place)
                     del state
                 else:
                     model, loading = AutoModelForCausalLM.from_pretrained(
@@ -219,6 +220,24 @@ def _causal_lm_class(config):
             return None
         config = config.get_text_config()
     return built, config
+
+
+@contextlib.contextmanager
+def _no_allocator_warmup():
+    """transformers' load with a device map first reserves the model's size on the device in one block
+    (`caching_allocator_warmup`, for the copies to come); the preloaded tensors are there already, so that block
+    would double the memory the weights take (a 27B model would not fit an 80 GB GPU). Off for this load."""
+    from transformers import modeling_utils
+
+    warmup = getattr(modeling_utils, "caching_allocator_warmup", None)
+    if warmup is None:
+        yield
+        return
+    modeling_utils.caching_allocator_warmup = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        modeling_utils.caching_allocator_warmup = warmup
 
 
 @contextlib.contextmanager
