@@ -80,11 +80,11 @@ case "$1" in
     timeout 560 python3 benchmarks/model_load.py --model-layers ${MODEL_LAYERS:-32} ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         --save-triton-cache "$OUT/triton-cache.tgz" 2>&1 | quiet | tee "$OUT/load.log" ;;
 11)  # correctness (part 10's), then a 64-layer model load from a seeded Triton cache, within one call
-    timeout 200 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
+    timeout ${CORRECT_S:-200} python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
         | grep "model loaded\|kernels warmed\|preload\|differ" | tail -5; tail -8 "$OUT/correct-full.log" \
         | tee "$OUT/correct.log"
     rm -rf /tmp/hsx-load-*
-    timeout 380 python3 benchmarks/model_load.py --model-layers 64 --quick ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
+    timeout ${LOAD_S:-380} python3 benchmarks/model_load.py --model-layers 64 --quick ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         2>&1 | quiet | tee "$OUT/load64.log" ;;
 10)
     timeout 300 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
