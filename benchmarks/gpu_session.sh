@@ -77,14 +77,17 @@ case "$1" in
         --ceiling-batches 12 --json "$OUT/tp64.json" 2>&1 | quiet | tee "$OUT/tp64.log" ;;
 3)  # with TRITON_TGZ=<a tarball part 3 saved on this kind of GPU>: a tuned host from the start, no untuned run
     rm -rf /tmp/hsx-load-*  # a checkpoint a failed run left
-    timeout 560 python3 benchmarks/model_load.py --model-layers ${MODEL_LAYERS:-32} ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
+    timeout 560 python3 benchmarks/model_load.py --model-layers ${MODEL_LAYERS:-32} \
+        ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         --save-triton-cache "$OUT/triton-cache.tgz" 2>&1 | quiet | tee "$OUT/load.log" ;;
 11)  # correctness (part 10's), then a 64-layer model load from a seeded Triton cache, within one call
-    timeout ${CORRECT_S:-200} python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \
+    timeout ${CORRECT_S:-200} python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet \
+        | tee "$OUT/correct-full.log" \
         | grep "model loaded\|kernels warmed\|preload\|differ" | tail -5; tail -8 "$OUT/correct-full.log" \
         | tee "$OUT/correct.log"
     rm -rf /tmp/hsx-load-*
-    timeout ${LOAD_S:-380} python3 benchmarks/model_load.py --model-layers 64 --quick ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
+    timeout ${LOAD_S:-380} python3 benchmarks/model_load.py --model-layers 64 --quick \
+        ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         2>&1 | quiet | tee "$OUT/load64.log" ;;
 10)
     timeout 300 python3 benchmarks/gpu_correctness.py --samples 32 2>&1 | quiet | tee "$OUT/correct-full.log" \

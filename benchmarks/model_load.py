@@ -209,8 +209,8 @@ def main() -> int:
         row(f"worker, {name}: start to first batch file", startup.get("first_file", summary["first_file_s"]))
         if args.save_triton_cache and name.startswith("untuned"):
             subprocess.run(["tar", "czf", str(args.save_triton_cache), "-C", str(cache_dir), "."], check=True)
-            print(f"Triton cache saved: {args.save_triton_cache} ({args.save_triton_cache.stat().st_size / 1e6:.1f} MB)",
-                  flush=True)
+            size_mb = args.save_triton_cache.stat().st_size / 1e6
+            print(f"Triton cache saved: {args.save_triton_cache} ({size_mb:.1f} MB)", flush=True)
     print(f"\n{'what (' + ('cache dropped before each' if cold else 'cache warm: drop_caches refused') + ')':<60} "
           f"{'s':>8} {'GB/s':>8} {'x raw':>7}")
     for name, seconds in rows:
