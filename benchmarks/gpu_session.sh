@@ -86,7 +86,7 @@ case "$1" in
         | grep "model loaded\|kernels warmed\|preload\|differ" | tail -5; tail -8 "$OUT/correct-full.log" \
         | tee "$OUT/correct.log"
     rm -rf /tmp/hsx-load-*
-    timeout ${LOAD_S:-380} python3 benchmarks/model_load.py --model-layers 64 --quick \
+    timeout ${LOAD_S:-380} python3 benchmarks/model_load.py --model-layers 64 --quick ${MAX_RUNS:+--max-runs $MAX_RUNS} \
         ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         2>&1 | quiet | tee "$OUT/load64.log" ;;
 10)

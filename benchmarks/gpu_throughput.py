@@ -522,10 +522,11 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
 
 
 def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *extra: str,
-           random_weights: bool = True, env: dict | None = None, device: str = "cuda") -> dict:
+           random_weights: bool = True, env: dict | None = None, device: str = "cuda",
+           keep_first: bool = False) -> dict:
     """`hsextract extract` over the whole dataset (random weights, SEED, unless `random_weights` is False:
-    then the checkpoint in `model_dir`); its batch files are deleted once
-    journaled, so the disk never holds more than a few. Its summary, with `steady` (tok/s after its first
+    then the checkpoint in `model_dir`); its batch files are deleted once journaled (but the first, with
+    `keep_first`), so the disk never holds more than a few. Its summary, with `steady` (tok/s after its first
     file) and `first_file_s` (process start to the first file journaled) added."""
     import threading
 
@@ -548,7 +549,8 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *ex
                     entry = json.loads(line) if line.endswith("}") else {}
                     if entry.get("kind") == "file":
                         files.append(entry)
-                        (journal.parent / entry["file"]).unlink(missing_ok=True)
+                        if not (keep_first and len(files) == 1):
+                            (journal.parent / entry["file"]).unlink(missing_ok=True)
                 seen = len(lines) if lines and lines[-1].endswith("}") else max(0, len(lines) - 1)
 
     cleaner = threading.Thread(target=janitor, daemon=True)

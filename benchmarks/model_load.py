@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -116,6 +117,7 @@ def main() -> int:
                     help="also from_pretrained into host memory then .to(device) (1.20 x raw on an H100)")
     ap.add_argument("--ablation", action="store_true",
                     help="also the read-ahead alone (load and warm-up after the imports)")
+    ap.add_argument("--max-runs", type=int, default=None, help="only the first N worker runs of the plan")
     ap.add_argument("--quick", action="store_true",
                     help="no eviction check, no LayerCapture row: the raw read, then the workers")
     ap.add_argument("--old-start", action="store_true",
@@ -192,12 +194,20 @@ def main() -> int:
              ("tuned host, libraries cached: default start, again", (), evict_checkpoint),
              ("tuned host, all cold: default start", (), drop_caches),
              *([("tuned host, all cold: the old start", old, drop_caches)] if args.old_start else [])]
-    for name, extra, evict in plans:
+    firsts = {}  # each run's first batch file: the same batch, so the same states, whichever way it loaded
+    for name, extra, evict in plans[:args.max_runs]:
         evict(model_dir)
         shutil.rmtree(work / "out", ignore_errors=True)
         summary = runs[name] = worker(model_dir, work / "data.jsonl", work / "out", args.layers, 8192, *extra,
                                       random_weights=False, env={"TRITON_CACHE_DIR": str(cache_dir)},
-                                      device=args.device)
+                                      device=args.device, keep_first=True)
+        first = next(p for p in (work / "out").glob("shard-*/batch-*.safetensors"))
+        firsts[name] = load_file(str(first))
+        nan = sum(int((~torch.isfinite(t.float())).any()) for k, t in firsts[name].items() if t.is_floating_point())
+        same = {k: torch.equal(t, firsts[next(iter(firsts))][k]) for k, t in firsts[name].items()}
+        print(f"worker, {name}: its first file: {sum(t.numel() for t in firsts[name].values()):,} values, "
+              f"{nan} tensor(s) with NaN/Inf; equal to the first run's first file: {all(same.values())} "
+              f"({[k for k, v in same.items() if not v]} differ)", flush=True)
         startup = summary.get("startup", {})
         print(f"worker, {name}: load {summary['load_s']} s, tuning {summary.get('tune')}, warm-up "
               f"{summary.get('warm_s')} s, read-ahead {summary.get('read_ahead')}, preload {summary.get('preload')}; "
