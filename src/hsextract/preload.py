@@ -6,7 +6,8 @@ begin only after them: `Preload` starts as soon as torch is imported. Every tens
 (`readahead.loaded`: not layers past the last one run, not the MTP head, not lm_head, which the worker drops) gets
 device memory of its own; the file is read in chunks into two pinned host buffers in turn, each copied to the
 device on a side stream while the next is read (one copy in host memory, page cache to pinned buffer, and none
-after it). On a CPU device the bytes are read straight into the tensors. The reads release the interpreter's
+after it); the first and last bytes of every copy are then read back and compared with the file's. On a CPU
+device the bytes are read straight into the tensors. The reads release the interpreter's
 lock, so the imports go on beside them, and they follow `ReadAhead`, which reads the same bytes into the page
 cache from the process's start.
 
@@ -19,6 +20,7 @@ them, and the preloaded and converted tensors would both be held).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -35,6 +37,8 @@ from .readahead import CHUNK, loaded, merge, read_header, weight_files
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+#: bytes at each end of every copy read back from the device and compared with the file's
+SPOT = 64
 #: the share of a checkpoint's bytes that may be of another dtype than the run's (converted by transformers)
 OTHER_DTYPE_SHARE = 1 / 16
 
@@ -108,10 +112,13 @@ def _writable(tensor: torch.Tensor, offset: int = 0, length: int | None = None) 
 
 class Preload:
     """The reading thread: `start`, then `tensors` (waits; the state dict, or None with `error`/`stopped` set), or
-    `stop`; `summary` says what it read."""
+    `stop`; `summary` says what it read. On CUDA (or with `staged`) the bytes go through two staging buffers and
+    are checked on the device (`_staged`); on a CPU device they are read straight into the tensors."""
 
-    def __init__(self, files: list[tuple[Path, list[Entry]]], device: torch.device, chunk: int = CHUNK):
+    def __init__(self, files: list[tuple[Path, list[Entry]]], device: torch.device, chunk: int = CHUNK,
+                 staged: bool = False):
         self.files, self.device, self.chunk = files, device, chunk
+        self.staged = staged  # on CPU too, the GPU's way: through the staging buffers, checked by sums
         self.planned = sum(e.end - e.begin for _, entries in files for e in entries)
         self.bytes_read = 0
         self.seconds = 0.0
@@ -130,8 +137,8 @@ class Preload:
     def _run(self) -> None:
         started = time.monotonic()
         try:
-            if self.device.type == "cuda":
-                self._to_cuda()
+            if self.device.type == "cuda" or self.staged:
+                self._staged()
             else:
                 self._to_host()
         except Exception as exc:  # noqa: BLE001 - the load reads the same files itself and says what is wrong
@@ -164,15 +171,23 @@ class Preload:
             finally:
                 os.close(fd)
 
-    def _to_cuda(self) -> None:
-        stream = torch.cuda.Stream(self.device)
-        staging = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        copied = [torch.cuda.Event(), torch.cuda.Event()]
+    def _staged(self) -> None:
+        """Each file's needed ranges read in chunks into two staging buffers in turn (pinned on CUDA), each chunk
+        copied into its tensors (on a side stream on CUDA, while the next is read). Then the first and last
+        `SPOT` bytes of every copy are read back from the device and compared with the file's: a copy that did
+        not land, landed elsewhere or read a buffer already refilled fails the preload (the load then reads the
+        files itself). Summing every byte instead was slower than the disk on a CPU core."""
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        staging = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
         turn = 0
         try:
             for path, entries in self.files:
-                with torch.cuda.stream(stream):  # memory of this stream's own: no kernel elsewhere still uses it
-                    raws = [self._alloc(e) for e in entries]
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    raws = [self._alloc(e) for e in entries]  # this stream's own memory: no other kernel uses it
+                spots: list[tuple[int, int, int]] = []  # (entry, offset in its tensor, bytes): what is checked
+                expected = bytearray()  # those bytes as read from the file
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     first = 0  # the first entry not wholly copied yet
@@ -182,29 +197,58 @@ class Preload:
                             if self._stop.is_set():
                                 return
                             buffer = staging[turn]
-                            copied[turn].synchronize()  # its previous chunk is on the device
+                            if cuda:
+                                copied[turn].synchronize()  # its previous chunk is on the device
                             got = os.preadv(fd, [_writable(buffer, 0, min(self.chunk, end - at))], at)
                             if got <= 0:
                                 raise ValueError(f"{path}: ends at byte {at}, inside a tensor its header names")
-                            with torch.cuda.stream(stream):
-                                while first < len(entries) and entries[first].end <= at:
-                                    first += 1
-                                i = first
+                            while first < len(entries) and entries[first].end <= at:
+                                first += 1
+                            i = first
+                            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                                 while i < len(entries) and entries[i].begin < at + got:
                                     e = entries[i]
                                     lo, hi = max(e.begin, at), min(e.end, at + got)
                                     if hi > lo:
-                                        raws[i][lo - e.begin:hi - e.begin].copy_(buffer[lo - at:hi - at],
-                                                                                 non_blocking=True)
+                                        self._copy(raws[i][lo - e.begin:hi - e.begin], buffer[lo - at:hi - at])
+                                        n = min(SPOT, hi - lo)
+                                        for start in (lo,) if hi - n == lo else (lo, hi - n):  # its ends
+                                            spots.append((i, start - e.begin, n))
+                                            expected += _writable(buffer, start - at, n)
                                     i += 1
-                                copied[turn].record(stream)
+                                if cuda:
+                                    copied[turn].record(stream)
                             turn ^= 1
                             at += got
                             self.bytes_read += got
                 finally:
                     os.close(fd)
+                self._check(path, entries, raws, spots, expected, stream)
         finally:
-            stream.synchronize()  # every copy landed (or, stopped, none still reads the pinned buffers)
+            if cuda:
+                stream.synchronize()  # every copy landed (or, stopped, none still reads the pinned buffers)
+
+    @staticmethod
+    def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+        dest.copy_(src, non_blocking=True)
+
+    def _check(self, path: Path, entries: list[Entry], raws: list[torch.Tensor], spots: list[tuple[int, int, int]],
+               expected: bytearray, stream) -> None:
+        """The bytes `spots` name, read back from the device after this file's copies (one transfer), against
+        those read from the file; ValueError naming the first tensor that differs."""
+        if not spots:
+            return
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            landed = torch.cat([raws[i][at:at + n] for i, at, n in spots]).cpu()
+        want = torch.frombuffer(expected, dtype=torch.uint8)
+        if torch.equal(landed, want):
+            return
+        at = 0
+        for i, offset, n in spots:
+            if not torch.equal(landed[at:at + n], want[at:at + n]):
+                raise ValueError(f"{path}: tensor {entries[i].name!r} on the {self.device.type} does not hold the "
+                                 f"bytes read from the file at its byte {offset} (a copy lost or misplaced)")
+            at += n
 
     def tensors(self) -> dict[str, torch.Tensor] | None:
         """Wait for the reader; the tensors by their checkpoint names (handed over once: the caller holds them),

@@ -3,8 +3,9 @@
 The model's load begins only once torch, transformers and CUDA have started and the tokenizer and the dataset
 are read: seconds in which the disk would sit idle. `ReadAhead` reads, meanwhile, the byte ranges of the
 safetensors files that the load will ask for (every tensor but those of layers past the last one the worker
-runs, and of the multi-token-prediction head, which no load reads), in file order, so that the load finds
-them in memory or catches up with a read already under way. The page cache is the host's: the workers of
+runs, of the multi-token-prediction head, which no load reads, and lm_head, which the worker drops), in file
+order, so that the load (or `preload.Preload`, which reads the same ranges straight to the device once torch is
+imported) finds them in memory or catches up with a read already under way. The page cache is the host's: the workers of
 one host read one checkpoint's pages once between them. It reads no more than half the memory the host has
 available (or `--read-ahead-gb`): beyond that it would evict its own first pages before the load reads them.
 A file it cannot read or parse is left to the load, which says what is wrong with it.

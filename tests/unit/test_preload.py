@@ -50,6 +50,56 @@ def test_it_reads_exactly_the_tensors_the_load_needs(tmp_path):
     assert preload.tensors() is None  # handed over once
 
 
+def test_the_gpu_s_way_through_staging_buffers_lands_every_byte_and_checks_the_copies(tmp_path):
+    """The staged path the GPU takes (two staging buffers in turn, copies, the copies' ends read back), run on
+    CPU: chunks smaller than tensors and tensors smaller than chunks give the same bytes; a copy lost, or one
+    that read a buffer already refilled, is caught and named."""
+    one, two = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
+    written = {**checkpoint(one, NAMES[:3], scalar=True), **checkpoint(two, NAMES[3:])}
+    for chunk in (7, 64, 1 << 20):
+        preload = Preload(plan([one, two], keep_layers=2), torch.device("cpu"), chunk=chunk, staged=True).start()
+        got = preload.tensors()
+        assert got is not None, preload.summary()
+        assert all(torch.equal(t, written[name]) for name, t in got.items()) and len(got) == 5
+
+    class Lost(Preload):  # the copies into one tensor never land
+        def _copy(self, dest, src):
+            if dest.data_ptr() != self._victim:
+                super()._copy(dest, src)
+
+    lost = Lost(plan([one, two], keep_layers=2), torch.device("cpu"), chunk=16, staged=True)
+    lost._victim = None
+    real_alloc = lost._alloc
+
+    def alloc(entry):
+        raw = real_alloc(entry)
+        if entry.name == "model.layers.1.mlp.weight":
+            lost._victim = raw.data_ptr()
+        return raw
+
+    lost._alloc = alloc
+    assert lost.start().tensors() is None
+    assert "tensor 'model.layers.1.mlp.weight' on the cpu does not hold the bytes read from the file at its byte 0" \
+        in lost.summary()["error"], lost.summary()
+
+    class Stale(Preload):  # every copy reads its staging buffer after the next read refilled it
+        def _copy(self, dest, src):
+            self._pending = getattr(self, "_pending", [])
+            self._pending.append((dest, src))
+            if len(self._pending) > 2:
+                d, s = self._pending.pop(0)
+                d.copy_(s)
+
+        def _check(self, *args):  # the last copies land (late) before the check: only the stale ones are wrong
+            for d, s in self._pending:
+                d.copy_(s)
+            self._pending = []
+            super()._check(*args)
+
+    stale = Stale(plan([one, two], keep_layers=2), torch.device("cpu"), chunk=16, staged=True).start()
+    assert stale.tensors() is None and "does not hold the bytes read from the file" in stale.summary()["error"]
+
+
 def test_the_files_are_read_by_the_load_itself_where_a_preload_would_cost_or_break(tmp_path):
     path = tmp_path / "model.safetensors"
     checkpoint(path, NAMES, dtype=torch.float32)
