@@ -75,7 +75,8 @@ class WorkerOptions:
         "start an untuned host sooner)", metavar="N"))
     read_ahead_gb: float | None = field(default=None, metadata=option(
         "read the checkpoint's weights into the page cache from the process start, while torch and CUDA start, "
-        "up to this many GB (default: what the load needs, at most half the host's available memory; 0: off)",
+        "up to this many GB (default: what the load needs, at most half the host's available memory; 0: off, "
+        "and no preload: the weights are read by transformers after the imports)",
         metavar="GB"))
     load_after_imports: bool = field(default=False, metadata=option(
         "read the weights only once transformers and the model's code are imported, from the files, by "
