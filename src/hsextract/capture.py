@@ -91,6 +91,8 @@ class LayerCapture:
         self.backbone = _decoder_backbone(model).to(self.device).eval()
         self.kernels = use_fla_conv(self.backbone, self.device)
         del model  # drops lm_head (unless tied to the embeddings)
+        if preload is not None and preload.taken and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the model did not take (a vision tower) freed in the preload stream's pool
         self._out: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
         self._text_config = config.get_text_config()
