@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .liveness import PROCESS_START
-from .readahead import CHUNK, loaded, merge, read_header, weight_files
+from .readahead import CHUNK, loaded, merge, read_header, reader_summary, weight_files
 
 #: safetensors' dtype names
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -274,16 +274,7 @@ class Preload:
     def summary(self) -> dict:
         """The summary's `preload`: bytes read of those planned, tensors, seconds, its end from the process start;
         `used` whether the model was built around them; `error` or `stopped` where not."""
-        out = {"bytes": self.bytes_read, "planned_bytes": self.planned,
-               "tensors": sum(len(entries) for _, entries in self.files), "seconds": round(self.seconds, 3),
-               "used": self.taken}
-        if self.done_at is not None:
-            out["done_at"] = round(self.done_at, 3)
-        if self.stopped:
-            out["stopped"] = True
-        if self.error:
-            out["error"] = self.error
-        return out
+        return reader_summary(self, tensors=sum(len(entries) for _, entries in self.files), used=self.taken)
 
 
 def start_preload(model_dir: Path, keep_layers: int | None, device: str,

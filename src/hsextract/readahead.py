@@ -172,15 +172,20 @@ class ReadAhead:
         """What the summary's `read_ahead` holds: bytes read, of those the load needs (so far as known), the
         reader's seconds and its end from the process start; `stopped` when it ended before reading them all,
         `error` when a file could not be read."""
-        out = {"bytes": self.bytes_read, "planned_bytes": self.planned, "seconds": round(self.seconds, 3),
-               "limit_bytes": self.limit}
-        if self.done_at is not None:
-            out["done_at"] = round(self.done_at, 3)
-        if self.stopped:
-            out["stopped"] = True
-        if self.error:
-            out["error"] = self.error
-        return out
+        return reader_summary(self, limit_bytes=self.limit)
+
+
+def reader_summary(reader, **fields) -> dict:
+    """A reading thread's figures (`ReadAhead`, `preload.Preload`): bytes read and planned, seconds, `fields`, its
+    end from the process start, and `stopped` / `error` where so."""
+    out = {"bytes": reader.bytes_read, "planned_bytes": reader.planned, "seconds": round(reader.seconds, 3), **fields}
+    if reader.done_at is not None:
+        out["done_at"] = round(reader.done_at, 3)
+    if reader.stopped:
+        out["stopped"] = True
+    if reader.error:
+        out["error"] = reader.error
+    return out
 
 
 def start_read_ahead(opts: WorkerOptions) -> ReadAhead | None:
