@@ -2,11 +2,11 @@
 
     PYTHONPATH=src python3 benchmarks/startup_imports.py [--runs 2]
 
-Runs, in a new `python3` each time (`--runs` of them), the steps the worker takes before its load, in its
-order: torch, `torch.cuda.is_available`, transformers, `AutoTokenizer` (the tokenizer path), the tiny
-tokenizer's load, the CUDA context (skipped without a GPU), transformers' Qwen3.5 model code (with fla where
-installed), a 32-layer model of the 27B shape laid out on the meta device, and the tuning thread's modules
-(`prewarm.standalone_modules`). Libraries are as cached as the host has them: run it twice to see both.
+Runs, in a new `python3` each time (`--runs` of them), the steps the worker takes before its load (with the
+packages it hides hidden: `cli.hide_unused_packages`), in its order: torch, `torch.cuda.is_available`,
+transformers, `AutoTokenizer` (the tokenizer path), the tiny tokenizer's load, the CUDA context (skipped without
+a GPU), transformers' Qwen3.5 model code (with fla where installed), a 32-layer model of the 27B shape laid out
+on the meta device, and the tuning thread's modules (`prewarm.standalone_modules`). Libraries are as cached as the host has them: run it twice to see both.
 Then `python3 -X importtime` of the tokenizer and model imports, the 25 costliest modules by their cumulative
 time (what pulls in sympy, scikit-learn, torch._dynamo...). Figures: benchmarks/RESULTS.md, issue 20, sixth
 session.
@@ -29,6 +29,8 @@ t0 = time.time()
 def lap(what):
     global t0
     t = time.time(); print(f"  {what:<44} {t - t0:6.2f} s", flush=True); t0 = t
+from hsextract.cli import hide_unused_packages
+hide_unused_packages()  # as the worker does (scikit-learn)
 import torch; lap("import torch")
 cuda = torch.cuda.is_available(); lap("torch.cuda.is_available")
 import transformers; lap("import transformers")
@@ -61,7 +63,8 @@ def main() -> int:
     for run in range(args.runs):
         print(f"run {run + 1}:", flush=True)
         subprocess.run([sys.executable, "-c", STEPS, str(model)], env=env, check=True)
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import torch, transformers; from transformers "
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "from hsextract.cli import hide_unused_packages; "
+                          "hide_unused_packages(); import torch, transformers; from transformers "
                           "import AutoTokenizer; import transformers.models.qwen3_5.modeling_qwen3_5"],
                          env=env, capture_output=True, text=True)
     rows = []
