@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import threading
 import time
@@ -68,7 +69,7 @@ def plan(files: list[Path], keep_layers: int | None) -> list[tuple[Path, list[En
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{path}: tensor {name!r}: dtype {meta.get('dtype')!r} or its offsets or shape "
                                  f"are not what this worker reads") from None
-            if end - begin != _numel(shape) * dtype.itemsize or begin < 0:
+            if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
                 raise ValueError(f"{path}: tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
             if base + end > size:
                 raise ValueError(f"{path}: tensor {name!r} ends at byte {base + end}, past the file's end ({size}): "
@@ -97,13 +98,6 @@ def why_not(model_dir: Path, files: list[tuple[Path, list[Entry]]], dtype: torch
     return None
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _writable(tensor: torch.Tensor, offset: int = 0, length: int | None = None) -> memoryview:
     """The bytes of a contiguous host tensor (pinned or not) as a writable buffer, for `os.preadv`."""
     size = tensor.numel() * tensor.element_size() if length is None else length
@@ -118,7 +112,7 @@ class Preload:
     def __init__(self, files: list[tuple[Path, list[Entry]]], device: torch.device, chunk: int = CHUNK,
                  staged: bool = False):
         self.files, self.device, self.chunk = files, device, chunk
-        self.staged = staged  # on CPU too, the GPU's way: through the staging buffers, checked by sums
+        self.staged = staged  # on CPU too, the GPU's way: through the staging buffers, the copies checked
         self.planned = sum(e.end - e.begin for _, entries in files for e in entries)
         self.bytes_read = 0
         self.seconds = 0.0
