@@ -9,16 +9,19 @@ checkpoint's pages (posix_fadvise DONTNEED: the libraries the worker imports sta
 a worker before):
   - raw read: every safetensors file read whole, 64 MiB at a time, nothing else (the disk's ceiling);
   - with `--old-load`, from_pretrained into host memory, then `.to("cuda")`: the worker's load before issue 20;
-  - LayerCapture: the worker's own load, synchronized: straight to the GPU (`device_map`) where `accelerate`
-    is importable, else the same as the row above;
+  - LayerCapture: transformers' load from the files, synchronized: straight to the GPU (`device_map`) where
+    `accelerate` is importable, else the same as the row above (with `--quick`, neither this row nor the
+    eviction check);
   - the worker process (`hsextract extract` over `--samples` samples): start to its first batch queued and
     to its first batch file journaled, each phase of its start-up (the summary's `startup`, from the process's
-    own start), its read-ahead and its whole extraction; on a host whose kernels were never tuned (an empty
-    Triton cache), with `--tune-procs N` the same with N tuning processes during the load, then three times
-    on the cache the first run left (a host's later starts): as before issue 20's sixth session (no read-ahead,
-    kernels warmed after the load) and as it starts by default (the read-ahead, and the kernels warmed on a
-    thread beside the load), each with everything cold and with only the checkpoint cold; with `--ablation`
-    also the read-ahead alone.
+    own start), its read-ahead, its preload and its whole extraction; first on a host whose kernels were never
+    tuned (an empty Triton cache; `--save-triton-cache` keeps what it tuned, `--triton-cache` seeds a tuned
+    host and skips this run), with `--tune-procs N` the same with N tuning processes during the load, then on
+    the tuned cache with only the checkpoint cold: the default start (the weights read to the GPU beside the
+    imports), `--load-after-imports`, the default again, then the default with everything cold (with
+    `--old-start` also the start before issue 20's sixth session, with `--ablation` the read-ahead alone;
+    `--max-runs N`: the first N). Each run's first batch file is kept and compared with the first run's: the
+    same batch, so the same states, whichever way the weights were loaded.
 Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
 """
 
