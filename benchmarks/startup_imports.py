@@ -6,10 +6,10 @@ Runs, in a new `python3` each time (`--runs` of them), the steps the worker take
 packages it hides hidden: `cli.hide_unused_packages`), in its order: torch, `torch.cuda.is_available`,
 transformers, `AutoTokenizer` (the tokenizer path), the tiny tokenizer's load, the CUDA context (skipped without
 a GPU), transformers' Qwen3.5 model code (with fla where installed), a 32-layer model of the 27B shape laid out
-on the meta device, and the tuning thread's modules (`prewarm.standalone_modules`). Libraries are as cached as the host has them: run it twice to see both.
-Then `python3 -X importtime` of the tokenizer and model imports, the 25 costliest modules by their cumulative
-time (what pulls in sympy, scikit-learn, torch._dynamo...). Figures: benchmarks/RESULTS.md, issue 20, sixth
-session.
+on the meta device, and the tuning thread's modules (`prewarm.standalone_modules`). Libraries are as cached
+as the host has them: run it twice to see both. Then `python3 -X importtime` of the tokenizer and model
+imports, the 25 costliest modules by their cumulative time (what pulls in sympy, scikit-learn, torch._dynamo...).
+Figures: benchmarks/RESULTS.md, issue 20, sixth session.
 """
 
 from __future__ import annotations

@@ -218,9 +218,7 @@ def _causal_lm_class(config):
         return None
     text_class = (getattr(config, "sub_configs", None) or {}).get("text_config")
     if text_class is not None and getattr(built, "config_class", None) is text_class:
-        if getattr(config, "quantization_config", None) is not None:
-            return None
-        config = config.get_text_config()
+        config = config.get_text_config()  # (a quantized checkpoint is never preloaded: `preload.why_not`)
     return built, config
 
 

@@ -68,14 +68,16 @@ class ShardRun(Shard):
                   f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
                   flush=True)
         dtype = resolve_dtype(opts.dtype, device)
-        self.preload = self.start_preload(layer_ids, device, dtype)  # the weights to the device beside the imports
+        info = read_model_info(opts.model)
+        self.preload = self.start_preload(layers_to_load(layer_ids, info.num_layers, opts.include_last), device,
+                                          dtype)  # the weights to the device beside the imports
         prewarm = None
         try:
             prewarm = self.start_prewarm(device, dtype)  # imports the model's code; tunes beside what follows
             if prewarm:
                 self.progress.mark("tuning_started")
-            encoder = ChatEncoder(load_tokenizer(opts.model), read_model_info(opts.model).vocab_size,
-                                  opts.max_length, opts.overlong)  # a broken tokenizer is told before the load
+            encoder = ChatEncoder(load_tokenizer(opts.model), info.vocab_size, opts.max_length,
+                                  opts.overlong)  # a broken tokenizer is told before the load
             self.progress.mark("tokenizer_loaded")
             self.cuda_start_s = cuda.wait()
         except BaseException:
@@ -88,7 +90,7 @@ class ShardRun(Shard):
             self.progress.mark("device_ready")
             # the writer's pinned sets, pinned beside the load rather than beside the first batches' launches
             staging = writer_staging(torch.device(device), opts.hash_threads or None, self.token_bytes(
-                layer_ids, read_model_info(opts.model).hidden_size, dtype, opts.include_last), opts.token_budget)
+                layer_ids, info.hidden_size, dtype, opts.include_last), opts.token_budget)
         early = EarlyTokens(encoder, pending[:opts.sort_window])  # the first window, tokenized while the model loads
         started = time.monotonic()
         try:
@@ -193,16 +195,15 @@ class ShardRun(Shard):
         if self.preload is not None:
             self.preload.stop()
 
-    def start_preload(self, layer_ids: list[int], device: str, dtype: torch.dtype) -> Preload | None:
-        """The checkpoint's tensors read into the device's memory on a thread while the worker goes on importing
-        (`hsextract.preload`); None with --load-after-imports or --read-ahead-gb 0, for a model built from its
-        seed, or where the load should read the files itself (it is said why)."""
+    def start_preload(self, keep_layers: int, device: str, dtype: torch.dtype) -> Preload | None:
+        """The tensors of the checkpoint's first `keep_layers` layers (and the rest but lm_head) read into the
+        device's memory on a thread while the worker goes on importing (`hsextract.preload`); None with
+        --load-after-imports or --read-ahead-gb 0, for a model built from its seed, or where the load should read
+        the files itself (it is said why)."""
         opts = self.opts
         if opts.random_weights is not None or opts.load_after_imports or opts.read_ahead_gb == 0:
             return None
-        info = read_model_info(opts.model)
-        preload, why = start_preload(opts.model, layers_to_load(layer_ids, info.num_layers, opts.include_last), device,
-                                     dtype)
+        preload, why = start_preload(opts.model, keep_layers, device, dtype)
         if preload is None:
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: the weights are read after the imports, by "
                   f"transformers: {why}", file=sys.stderr, flush=True)
