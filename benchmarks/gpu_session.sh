@@ -9,7 +9,8 @@
 #                                      # saves the Triton cache it tuned ($OUT/triton-cache.tgz; TRITON_TGZ=it
 #                                      # seeds a later part 3 on the same kind of GPU)
 #   bash benchmarks/gpu_session.sh 10  # correctness (preloaded weights vs transformers' load too), then part 9
-#   bash benchmarks/gpu_session.sh 11  # correctness, then the model load at 64 layers (TRITON_TGZ: seeded cache)
+#   bash benchmarks/gpu_session.sh 11  # correctness, then the model load at 64 layers (TRITON_TGZ: seeded cache;
+#                                      # CORRECT_S, LOAD_S: their time limits; ~480 s seeded)
 #   bash benchmarks/gpu_session.sh 4   # the 8-layer table (the disk is the ceiling there)
 #   bash benchmarks/gpu_session.sh 5   # torch.compile of every decoder layer's MLP beside the bare forward (32
 #                                      # layers; whole layers did not finish compiling in 490 s: RESULTS.md)
@@ -86,7 +87,8 @@ case "$1" in
         | grep "model loaded\|kernels warmed\|preload\|differ" | tail -5; tail -8 "$OUT/correct-full.log" \
         | tee "$OUT/correct.log"
     rm -rf /tmp/hsx-load-*
-    timeout ${LOAD_S:-380} python3 benchmarks/model_load.py --model-layers 64 --quick ${MAX_RUNS:+--max-runs $MAX_RUNS} \
+    timeout ${LOAD_S:-420} python3 benchmarks/model_load.py --model-layers 64 --quick --all-cached \
+        ${MAX_RUNS:+--max-runs $MAX_RUNS} \
         ${TRITON_TGZ:+--triton-cache "$TRITON_TGZ"} \
         2>&1 | quiet | tee "$OUT/load64.log" ;;
 10)

@@ -16,12 +16,14 @@ a worker before):
     to its first batch file journaled, each phase of its start-up (the summary's `startup`, from the process's
     own start), its read-ahead, its preload and its whole extraction; first on a host whose kernels were never
     tuned (an empty Triton cache; `--save-triton-cache` keeps what it tuned, `--triton-cache` seeds a tuned
-    host and skips this run), with `--tune-procs N` the same with N tuning processes during the load, then on
-    the tuned cache with only the checkpoint cold: the default start (the weights read to the GPU beside the
-    imports), `--load-after-imports`, the default again, then the default with everything cold (with
-    `--old-start` also the start before issue 20's sixth session, with `--ablation` the read-ahead alone;
-    `--max-runs N`: the first N). Each run's first batch file is kept and compared with the first run's: the
-    same batch, so the same states, whichever way the weights were loaded.
+    host, and then runs everything cold first, so that the libraries are cached for the rows that say so), with
+    `--tune-procs N` the same with N tuning processes during the load, then on the tuned cache with only the
+    checkpoint cold: the default start (the weights read to the GPU beside the imports), `--load-after-imports`,
+    the default again (seeded: `--load-after-imports` again too), then, unseeded, the default with everything
+    cold (with `--old-start` also the start before issue 20's sixth session, with `--ablation` the read-ahead
+    alone, with `--all-cached` both starts with the checkpoint in the page cache; `--max-runs N`: the first N).
+    Each run's first batch file is kept and compared with the first run's: the same batch, so the same states,
+    whichever way the weights were loaded.
 Goal (issue 20): the worker's start to first batch <= 1.2 x the raw read.
 """
 
@@ -129,6 +131,9 @@ def main() -> int:
                     help="a tarball of a tuned Triton cache (--save-triton-cache on this kind of GPU): no untuned run")
     ap.add_argument("--save-triton-cache", type=Path, default=None,
                     help="save the cache the untuned run left as a tarball here")
+    ap.add_argument("--all-cached", action="store_true",
+                    help="also the default start and --load-after-imports with the checkpoint in the page cache (a "
+                         "host's second worker)")
     ap.add_argument("--tune-procs", type=int, default=0,
                     help="also a run on an untuned host with this many tuning processes (0: none)")
     args = ap.parse_args()
@@ -184,19 +189,29 @@ def main() -> int:
         subprocess.run(["tar", "xzf", str(args.triton_cache), "-C", str(cache_dir)], check=True)
     sixth = ("--load-after-imports",)
     old = ("--read-ahead-gb", "0", "--warm-after-load", "--load-after-imports")
-    plans = [*([] if args.triton_cache else [("untuned host (an empty Triton cache), default start", (), drop_caches)]),
+    seeded = bool(args.triton_cache)
+
+    def keep(_model_dir: Path) -> None:  # nothing evicted: the checkpoint read by another worker of the host
+        pass
+
+    cached = "tuned host, libraries cached"
+    plans = [*([] if seeded else [("untuned host (an empty Triton cache), default start", (), drop_caches)]),
              *([(f"untuned host, --tune-procs {args.tune_procs}", ("--tune-procs", str(args.tune_procs)),
                  drop_caches)] if args.tune_procs else []),
-             ("tuned host, libraries cached: default start", (), evict_checkpoint),
-             ("tuned host, libraries cached: load after the imports (the sixth session's start)", sixth,
-              evict_checkpoint),
-             *([("tuned host, libraries cached: the old start (no read-ahead, warm-up after the load)", old,
-                 evict_checkpoint)] if args.old_start else []),
-             *([("tuned host, libraries cached: read-ahead only (load and warm-up after the imports)",
+             # seeded, the all-cold run comes first: after it the libraries are cached, as the rows below say
+             *([("tuned host, all cold: default start", (), drop_caches)] if seeded else []),
+             (f"{cached}: default start", (), evict_checkpoint),
+             (f"{cached}: load after the imports (the sixth session's start)", sixth, evict_checkpoint),
+             *([(f"{cached}: the old start (no read-ahead, warm-up after the load)", old, evict_checkpoint)]
+               if args.old_start else []),
+             *([(f"{cached}: read-ahead only (load and warm-up after the imports)",
                  ("--load-after-imports", "--warm-after-load"), evict_checkpoint)] if args.ablation else []),
-             ("tuned host, libraries cached: default start, again", (), evict_checkpoint),
-             ("tuned host, all cold: default start", (), drop_caches),
-             *([("tuned host, all cold: the old start", old, drop_caches)] if args.old_start else [])]
+             (f"{cached}: default start, again", (), evict_checkpoint),
+             *([(f"{cached}: load after the imports, again", sixth, evict_checkpoint)] if seeded else []),
+             *([] if seeded else [("tuned host, all cold: default start", (), drop_caches)]),
+             *([("tuned host, all cold: the old start", old, drop_caches)] if args.old_start else []),
+             *([("tuned host, all cached (the checkpoint read by another worker): default start", (), keep),
+                ("tuned host, all cached: load after the imports", sixth, keep)] if args.all_cached else [])]
     firsts = {}  # each run's first batch file: the same batch, so the same states, whichever way it loaded
     for name, extra, evict in plans[:args.max_runs]:
         evict(model_dir)

@@ -203,7 +203,7 @@ class ShardRun(Shard):
         opts = self.opts
         if opts.random_weights is not None or opts.load_after_imports or opts.read_ahead_gb == 0:
             return None
-        preload, why = start_preload(opts.model, keep_layers, device, dtype)
+        preload, why = start_preload(opts.model, keep_layers, device, dtype, follow=self.read_ahead)
         if preload is None:
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: the weights are read after the imports, by "
                   f"transformers: {why}", file=sys.stderr, flush=True)
