@@ -143,9 +143,9 @@ def test_a_stop_drops_what_it_read_and_a_short_file_is_an_error_not_a_raise(tmp_
 
 
 def test_it_reads_only_what_the_read_ahead_has_read_and_a_stop_ends_its_wait(tmp_path):
-    """One reader on the disk: the preload reads a chunk once the read-ahead of the same files has read it (the
-    two racing for the same bytes slowed the disk by a tenth at 64 layers). Here the read-ahead is held after its
-    first file: the preload reads all of that file, none of the second, and goes on when the read-ahead does."""
+    """One reader on the disk: the preload reads a chunk once the read-ahead of the same files has read it. Here
+    the read-ahead is held after its first file: the preload reads all of that file, none of the second, and goes
+    on when the read-ahead does; the staged path (the GPU's) and the direct one alike."""
     one, two = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
     written = {**checkpoint(one, NAMES[:3]), **checkpoint(two, NAMES[3:])}
 

@@ -7,7 +7,10 @@ or at its limit, and a file it cannot read is left to the load, never raised."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
+import mmap
+import os
 import sys
 
 import pytest
@@ -89,6 +92,58 @@ def test_the_thread_reads_what_the_load_needs_up_to_its_limit(tmp_path):
     told.start().wait(60)
     told.stop()
     assert told.bytes_read == 0 and told.summary()["stopped"] is True
+
+
+def resident(path, begin, end):
+    """The share of the pages of `path`'s bytes `begin`..`end` in the page cache (mincore of a mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: untouched pages are the cache's
+    try:
+        first = begin // mmap.PAGESIZE * mmap.PAGESIZE
+        pages = (end - first + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        flags = (ctypes.c_ubyte * pages)()
+        at = ctypes.c_char.from_buffer(mapped, first)
+        assert libc.mincore(ctypes.c_void_p(ctypes.addressof(at)), ctypes.c_size_t(end - first), flags) == 0, \
+            os.strerror(ctypes.get_errno())
+        del at
+        return sum(flag & 1 for flag in flags) / pages
+    finally:
+        mapped.close()
+
+
+def evict(path):
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_what_it_reads_lands_in_the_page_cache_without_a_copy_and_with_one(tmp_path, monkeypatch):
+    """The read-ahead's point: the load's bytes in the page cache. Sent to /dev/null (no copy into the worker,
+    `zero_copy`), and read into a buffer where the system cannot send a file."""
+    path = tmp_path / "model.safetensors"
+    checkpoint(path, NAMES)
+    ranges = needed_ranges(path, 2)
+    evict(path)
+    if max(resident(path, b, e) for b, e in ranges) > 0.5:
+        pytest.skip(f"this file system keeps {path}'s pages in memory whatever it is told: nothing to measure")
+    ahead = ReadAhead([path], 2, limit_bytes=1 << 40).start()
+    assert ahead.wait(60)
+    ahead.stop()
+    assert ahead.summary()["zero_copy"] is True and ahead.bytes_read == 4 * MIB2, ahead.summary()
+    assert [resident(path, b, e) for b, e in ranges] == [1.0] * len(ranges)
+
+    def refused(*args):
+        raise OSError(22, "Invalid argument")
+
+    evict(path)
+    monkeypatch.setattr(os, "sendfile", refused)  # a system that cannot send a file to /dev/null
+    ahead = ReadAhead([path], 2, limit_bytes=1 << 40).start()
+    assert ahead.wait(60)
+    ahead.stop()
+    summary = ahead.summary()
+    assert summary["zero_copy"] is False and summary["bytes"] == 4 * MIB2 and "error" not in summary, summary
+    assert [resident(path, b, e) for b, e in ranges] == [1.0] * len(ranges)
 
 
 def test_a_file_it_cannot_parse_is_recorded_not_raised(tmp_path):
