@@ -63,6 +63,7 @@ def test_the_gpu_s_way_through_staging_buffers_lands_every_byte_and_checks_the_c
         got = preload.tensors()
         assert got is not None, preload.summary()
         assert all(torch.equal(t, written[name]) for name, t in got.items()) and len(got) == 5
+        assert preload.bytes_read == preload.planned  # its two readers took each file once
 
     class Lost(Preload):  # the copies into one tensor never land
         def _copy(self, dest, src):
