@@ -131,7 +131,7 @@ class Preload:
         self._out: dict[str, torch.Tensor] | None = {}
         self._stop = threading.Event()
         self._failed = threading.Event()  # one of the staged readers failed: the others end too
-        self._counting = threading.Lock()  # `bytes_read`, counted by every reader
+        self._counting = threading.Lock()  # `bytes_read` and `waited`, counted by every reader
         self._thread = threading.Thread(target=self._run, name="hsextract-preload", daemon=True)
 
     def start(self) -> "Preload":
@@ -160,9 +160,10 @@ class Preload:
         if self.follow is not None and not self.follow.covered(path, at + len(view), 0):
             began = time.monotonic()
             while not self.follow.covered(path, at + len(view), 0.05):
-                if self._stop.is_set():
+                if self._stop.is_set() or self._failed.is_set():
                     return None
-            self.waited += time.monotonic() - began
+            with self._counting:
+                self.waited += time.monotonic() - began
         return os.preadv(fd, [view], at)
 
     def _alloc(self, entry: Entry) -> torch.Tensor:
@@ -191,8 +192,7 @@ class Preload:
 
     def _staged(self) -> None:
         """The files shared among `readers` threads (this one and helpers), each with its own staging buffers and
-        side stream (`_stage_files`): from the page cache one thread's copies into its buffers ran at 3.8 GB/s on
-        an H100 host, slower than the imports beside them."""
+        side stream (`_stage_files`); the first error of any of them is raised here, and ends the others."""
         todo = list(reversed(self.files))  # popped from the end: in file order, as the read-ahead reads them
         errors: list[BaseException] = []
 
