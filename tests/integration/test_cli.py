@@ -124,8 +124,10 @@ def test_startup_milestones_from_the_process_start(tiny_model, dataset, tmp_path
     ahead = summary["read_ahead"]  # the checkpoint read from before torch's import (the tensors layers 0-3 need)
     assert 0 < ahead["bytes"] == ahead["planned_bytes"] < (tiny_model / "model.safetensors").stat().st_size
     assert 0 < ahead["done_at"] < startup["model_loaded"] and "error" not in ahead and "stopped" not in ahead
+    assert ahead["zero_copy"] is True  # sent to /dev/null, no copy into the worker (confined, it may write there)
     preload = summary["preload"]  # the tensors read into the model's memory beside the imports, and used
     assert preload["used"] is True and 0 < preload["bytes"] == preload["planned_bytes"] <= ahead["bytes"]
+    assert preload["waited_s"] >= 0  # for the read-ahead, which it follows
     assert 0 < preload["done_at"] < startup["model_loaded"] and "error" not in preload and "stopped" not in preload
     assert "(read to the device beside the imports)" in proc.stderr
     files = run_extract(tiny_model, dataset, tmp_path / "files", 0, 1, "--load-after-imports", layers="1,3")
