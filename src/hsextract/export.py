@@ -348,6 +348,7 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
         return json.loads((dest / SUMMARY).read_text())
     if (dest / SCRATCH).exists():
         shutil.rmtree(dest / SCRATCH)  # what an interrupted run left half-written
+    (dest / SCRATCH).mkdir()  # there even where no row is left to write (killed after its last row)
     done = Done.read(dest)
     began, rows, skipped = time.monotonic(), done.rows, Counter(done.skipped)
     bar = _Bar(total, progress)

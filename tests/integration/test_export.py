@@ -183,6 +183,23 @@ def test_an_interrupted_export_continues_to_the_same_result(extracted, tmp_path)
     assert again.returncode == 0 and "exported" in again.stdout
 
 
+def test_an_export_killed_after_its_last_row_finishes_the_same(extracted, tmp_path):
+    """The state a kill in the last step leaves: every row indexed and written, no Arrow dataset, no scratch
+    directory, the summary not complete. Run again: nothing to write, the dataset made, the same export."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert export_cli(extracted, whole, "speculators").returncode == 0
+    shutil.copytree(whole, cut)
+    for name in ("dataset_info.json", "state.json", "token_freq.pt", *[p.name for p in cut.glob("*.arrow")]):
+        (cut / name).unlink()
+    summary = json.loads((cut / "export.json").read_text())
+    (cut / "export.json").write_text(json.dumps({k: summary[k] for k in ("format", "src", "max_length")}
+                                                | {"complete": False}))
+    assert not (cut / ".partial").exists()
+    proc = export_cli(extracted, cut, "speculators")
+    assert proc.returncode == 0, proc.stderr
+    same_export(cut, whole)
+
+
 def test_an_export_killed_again_and_again_ends_as_one_never_killed(extracted, tmp_path):
     """SIGKILL at several points of a real export (once the index holds 2, 6, then 12 lines), each run
     continuing the last: the result is the uninterrupted export's."""
