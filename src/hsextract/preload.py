@@ -152,15 +152,18 @@ class Preload:
             self.seconds = time.monotonic() - started
             self.done_at = time.time() - PROCESS_START
 
+    def _ended(self) -> bool:
+        return self._stop.is_set() or self._failed.is_set()  # stopped, or another reader failed
+
     def _read(self, fd: int, path: Path, view: memoryview, at: int) -> int | None:
         """Bytes `at`.. of `path` into `view` once the read-ahead has read them; how many, or None when
-        stopped."""
-        if self._stop.is_set():
+        stopped or another reader failed."""
+        if self._ended():
             return None
         if self.follow is not None and not self.follow.covered(path, at + len(view), 0):
             began = time.monotonic()
             while not self.follow.covered(path, at + len(view), 0.05):
-                if self._stop.is_set() or self._failed.is_set():
+                if self._ended():
                     return None
             with self._counting:
                 self.waited += time.monotonic() - began
@@ -245,7 +248,7 @@ class Preload:
                             if cuda:
                                 copied[turn].synchronize()  # its previous chunk is on the device
                             got = self._read(fd, path, _writable(buffer, 0, min(self.chunk, end - at)), at)
-                            if got is None or self._failed.is_set():
+                            if got is None:
                                 return
                             if got <= 0:
                                 raise ValueError(f"{path}: ends at byte {at}, inside a tensor its header names")

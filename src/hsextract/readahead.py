@@ -137,9 +137,10 @@ class ReadAhead:
     def _run(self) -> None:
         started = time.monotonic()
         try:
-            with contextlib.suppress(OSError, AttributeError):  # else read into a buffer
-                self._sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC) if hasattr(os, "sendfile") else None
-                self.zero_copy = self._sink is not None
+            if hasattr(os, "sendfile"):
+                with contextlib.suppress(OSError):  # else read into a buffer
+                    self._sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            self.zero_copy = self._sink is not None
             for index, path in enumerate(self.files):
                 self._move(index, 0)
                 ranges = needed_ranges(path, self.keep_layers)
