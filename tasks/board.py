@@ -327,5 +327,8 @@ class Board:
         self._dirty.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                self._log.warning("run %s: the status board's update thread did not end within 30s (an update to the "
+                                  "Prefect API hanging?): the final update is sent without it", self.run)
         self.attempts.write()  # what an earlier write could not store
         self.publish()

@@ -42,9 +42,11 @@ def control_dir(workdir: str, run: str, shard_dir: str) -> str:
     return f"{workdir}/runs/{run}/{shard_dir}"
 
 
-def _proc_start(pid_expr: str) -> str:
-    """Shell that prints the start time (clock ticks after boot) of process `pid_expr`."""
-    return f"sed 's/.*) //' /proc/{pid_expr}/stat 2>/dev/null | cut -d' ' -f{PROC_START_FIELD}"
+def _proc_start(pid_expr: str, live: bool = False) -> str:
+    """Shell that prints the start time (clock ticks after boot) of process `pid_expr`; `live`: nothing for a
+    zombie (it ended, its parent has not reaped it yet), where the kills still reach what it left in its group."""
+    keep = "/^Z /!p" if live else "p"
+    return f"sed -n 's/.*) //; {keep}' /proc/{pid_expr}/stat 2>/dev/null | cut -d' ' -f{PROC_START_FIELD}"
 
 
 def check_bundle_cmd(workdir: str, bundle_sha256: str, python: str, synthetic: bool = False) -> str:
@@ -200,7 +202,8 @@ def alive_cmd(workdir: str, run: str, shard_dirs: list[str]) -> str:
     """Prints `ALIVE <shard dir> <pid>` for each of `shard_dirs` whose worker is still the process launched."""
     return (f"cd {quote(f'{workdir}/runs/{run}')} 2>/dev/null || exit 0; "
             f"for d in {' '.join(quote(d) for d in shard_dirs)}; do pid=$(cat \"$d/pid\" 2>/dev/null); "
-            f"[ -n \"$pid\" ] && [ \"$({_proc_start('$pid')})\" = \"$(cat \"$d/pid.start\" 2>/dev/null)\" ] && "
+            f"[ -n \"$pid\" ] && [ \"$({_proc_start('$pid', live=True)})\" = "
+            f"\"$(cat \"$d/pid.start\" 2>/dev/null)\" ] && "
             f"echo \"ALIVE $d $pid\"; done; echo 'CHECKED'")
 
 

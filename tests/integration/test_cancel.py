@@ -104,14 +104,16 @@ def test_a_direct_call_that_is_signalled_stops_its_workers_ends_cancelled_and_re
     while not extracting(tmp_path, run):
         assert caller.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
-    signalled = time.monotonic()
+    signalled, signalled_at = time.monotonic(), time.time()
     caller.send_signal(getattr(signal, signame))
     caller.wait(timeout=120)
     ended = time.monotonic() - signalled
     said = log.read_text()
     left = workers(tmp_path, run)
     assert not any(w["alive"] for w in left.values()), left
-    assert ended < 15, f"the flow-run process took {ended:.1f}s to end after {signame}"
+    assert ended < 15, (f"the flow-run process took {ended:.1f}s to end after {signame} (sent at {signalled_at:.3f}): "
+                        f"{left}\n{said[-6000:]}\n" + "\n".join(
+                            f"{d}: {(tmp_path / 'w' / 'runs' / run / d / 'worker.log').read_text()[-1500:]}" for d in left))
     for shard, w in left.items():  # each worker finished its file in flight and said why it stopped
         assert w["exit"] and w["exit"]["stop"] == "cancelled" and w["exit"]["code"] == 143, (shard, w)
     flow_run = flow_run_of(run)

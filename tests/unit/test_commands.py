@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tasks.commands import check_bundle_cmd, kill_cmd, launch_cmd, parse_probe, probe_cmd
+from tasks.commands import alive_cmd, check_bundle_cmd, kill_cmd, launch_cmd, parse_probe, probe_cmd
 
 ROOT = Path(__file__).resolve().parents[2]  # a checkout holds tasks/launch.sh where an unpacked bundle does
 
@@ -77,8 +78,6 @@ def test_probe_sees_zombie_as_not_alive(tmp_path):
     if pid == 0:
         os._exit(0)
     try:
-        import time
-
         time.sleep(0.2)  # child exits; we do not reap it yet: a zombie
         control = tmp_path
         start = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[19]
@@ -88,6 +87,33 @@ def test_probe_sees_zombie_as_not_alive(tmp_path):
                                            text=True).stdout)
         assert probe.state == "Z" and not probe.alive
     finally:
+        os.waitpid(pid, 0)
+
+
+def test_the_stop_s_watch_sees_a_live_worker_and_not_one_that_ended_unreaped(tmp_path):
+    """A worker that ended but whose parent has not reaped it (a zombie) has ended: the stop's watch must not wait
+    the whole grace for it."""
+    import os
+
+    live = subprocess.Popen(["sleep", "30"])
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        for name, p in (("shard-00000-of-00002", live.pid), ("shard-00001-of-00002", pid)):
+            d = tmp_path / "runs" / "r" / name
+            d.mkdir(parents=True)
+            (d / "pid").write_text(f"{p}\n")
+            (d / "pid.start").write_text(open(f"/proc/{p}/stat").read().rsplit(") ", 1)[1].split()[19] + "\n")
+        assert open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] == "Z"
+        said = subprocess.run(["/bin/sh", "-c", alive_cmd(str(tmp_path), "r", ["shard-00000-of-00002",
+                                                                                "shard-00001-of-00002"])],
+                              capture_output=True, text=True).stdout.splitlines()
+        assert said == [f"ALIVE shard-00000-of-00002 {live.pid}", "CHECKED"], said
+    finally:
+        live.kill()
+        live.wait()
         os.waitpid(pid, 0)
 
 
