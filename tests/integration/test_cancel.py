@@ -69,6 +69,20 @@ def extracting(tmp_path: Path, run: str) -> bool:
                                    for d, w in found.items())
 
 
+def logged_at(said: str, text: str, near: float) -> float:
+    """When the first line of a Prefect console log holding `text` was logged (its HH:MM:SS.mmm, local time, on
+    the day that puts it nearest to `near`); inf when no line holds it."""
+    import datetime as dt
+
+    for line in said.splitlines():
+        stamp = line.split(" | ", 1)[0]
+        if text in line and len(stamp) == 12:
+            day = dt.datetime.fromtimestamp(near).date()
+            at = dt.datetime.combine(day, dt.time.fromisoformat(stamp)).timestamp()
+            return min((at - 86400, at, at + 86400), key=lambda t: abs(t - near))
+    return float("inf")
+
+
 def flow_run_of(run: str):
     from prefect.client.orchestration import get_client
 
@@ -111,9 +125,16 @@ def test_a_direct_call_that_is_signalled_stops_its_workers_ends_cancelled_and_re
     said = log.read_text()
     left = workers(tmp_path, run)
     assert not any(w["alive"] for w in left.values()), left
-    assert ended < 15, (f"the flow-run process took {ended:.1f}s to end after {signame} (sent at {signalled_at:.3f}): "
-                        f"{left}\n{said[-6000:]}\n" + "\n".join(
-                            f"{d}: {(tmp_path / 'w' / 'runs' / run / d / 'worker.log').read_text()[-1500:]}" for d in left))
+    # what this project does within seconds: the workers end, and the run's verdict is logged; what follows the
+    # verdict is Prefect's (the state sent, its logs and events flushed at exit): bounded below the grace, the
+    # SIGKILL nobody waited for
+    logs = "\n".join(f"{d}: {(tmp_path / 'w' / 'runs' / run / d / 'worker.log').read_text()[-1500:]}" for d in left)
+    why = (f"{signame} sent at {signalled_at:.3f}, the process ended {ended:.1f}s later; workers {left}\n"
+           f"{said[-6000:]}\n{logs}")
+    worker_ends = [w["exit"]["time"] - signalled_at for w in left.values() if w["exit"]]
+    assert len(worker_ends) == 2 and max(worker_ends) < 15, why
+    assert logged_at(said, f"run {run} cancelled (", signalled_at) - signalled_at < 15, why
+    assert ended < 60, why
     for shard, w in left.items():  # each worker finished its file in flight and said why it stopped
         assert w["exit"] and w["exit"]["stop"] == "cancelled" and w["exit"]["code"] == 143, (shard, w)
     flow_run = flow_run_of(run)
