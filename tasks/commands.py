@@ -43,8 +43,9 @@ def control_dir(workdir: str, run: str, shard_dir: str) -> str:
 
 
 def _proc_start(pid_expr: str, live: bool = False) -> str:
-    """Shell that prints the start time (clock ticks after boot) of process `pid_expr`; `live`: nothing for a
-    zombie (it ended, its parent has not reaped it yet), where the kills still reach what it left in its group."""
+    """Shell that prints the start time (clock ticks after boot) of process `pid_expr`. `live`: nothing for a
+    zombie (it ended; its parent has not reaped it yet). Without it a zombie's is printed, so that the stop and kill
+    commands still signal whatever it left running in its process group."""
     keep = "/^Z /!p" if live else "p"
     return f"sed -n 's/.*) //; {keep}' /proc/{pid_expr}/stat 2>/dev/null | cut -d' ' -f{PROC_START_FIELD}"
 

@@ -100,7 +100,9 @@ def test_the_stop_s_watch_sees_a_live_worker_and_not_one_that_ended_unreaped(tmp
     if pid == 0:
         os._exit(0)
     try:
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)  # the child exits; unreaped, it stays a zombie
         for name, p in (("shard-00000-of-00002", live.pid), ("shard-00001-of-00002", pid)):
             d = tmp_path / "runs" / "r" / name
             d.mkdir(parents=True)
