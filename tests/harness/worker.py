@@ -33,9 +33,15 @@ def dataset_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after its command name: [0] the state letter, [19] the start time (what the
+    orchestrator records as pid.start)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+
+
 def running(pid: int) -> bool:
     """The process exists and is not a zombie (nobody here reaps the workers' orphans: a zombie has ended)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] != "Z"
+        return proc_stat(pid)[0] != "Z"
     except OSError:
         return False

@@ -13,7 +13,7 @@ import hsextract
 from flows.extract import extract
 from harness.inventory import ssh_host_entry, write_inventory
 from harness.sshd import SshdFarm
-from harness.worker import dataset_ids
+from harness.worker import dataset_ids, proc_stat
 from hsextract import tiny
 
 FAST = dict(heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
@@ -71,7 +71,7 @@ def test_one_round_trip_per_interval_serves_every_shard_of_the_host(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"])
     cancel = threading.Event()
     try:
-        start = open(f"/proc/{sleeper.pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        start = proc_stat(sleeper.pid)[19]
         jobs = []
         for n in range(4):
             control = tmp_path / f"c{n}"

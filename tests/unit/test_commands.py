@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.worker import proc_stat, running
 from tasks.commands import alive_cmd, check_bundle_cmd, kill_cmd, launch_cmd, parse_probe, probe_cmd
 
 ROOT = Path(__file__).resolve().parents[2]  # a checkout holds tasks/launch.sh where an unpacked bundle does
@@ -45,7 +46,7 @@ def test_probe_parses_a_live_process(tmp_path):
     control.mkdir()
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        start = open(f"/proc/{proc.pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        start = proc_stat(proc.pid)[19]
         (control / "pid").write_text(f"{proc.pid}\n")
         (control / "pid.start").write_text(start + "\n")
         (control / "heartbeat.json").write_text('{"time": 1.5, "phase": "extracting"}')
@@ -80,7 +81,7 @@ def test_probe_sees_zombie_as_not_alive(tmp_path):
     try:
         time.sleep(0.2)  # child exits; we do not reap it yet: a zombie
         control = tmp_path
-        start = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        start = proc_stat(pid)[19]
         (control / "pid").write_text(f"{pid}\n")
         (control / "pid.start").write_text(start)
         probe = parse_probe(subprocess.run(["/bin/sh", "-c", probe_cmd(str(control), "/j")], capture_output=True,
@@ -101,14 +102,14 @@ def test_the_stop_s_watch_sees_a_live_worker_and_not_one_that_ended_unreaped(tmp
         os._exit(0)
     try:
         deadline = time.monotonic() + 10
-        while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "Z" and time.monotonic() < deadline:
+        while running(pid) and time.monotonic() < deadline:
             time.sleep(0.05)  # the child exits; unreaped, it stays a zombie
         for name, p in (("shard-00000-of-00002", live.pid), ("shard-00001-of-00002", pid)):
             d = tmp_path / "runs" / "r" / name
             d.mkdir(parents=True)
             (d / "pid").write_text(f"{p}\n")
-            (d / "pid.start").write_text(open(f"/proc/{p}/stat").read().rsplit(") ", 1)[1].split()[19] + "\n")
-        assert open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] == "Z"
+            (d / "pid.start").write_text(proc_stat(p)[19] + "\n")
+        assert proc_stat(pid)[0] == "Z"
         said = subprocess.run(["/bin/sh", "-c", alive_cmd(str(tmp_path), "r", ["shard-00000-of-00002",
                                                                                 "shard-00001-of-00002"])],
                               capture_output=True, text=True).stdout.splitlines()
@@ -144,7 +145,7 @@ def test_one_round_trip_reads_every_shard_of_a_host(tmp_path):
 
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        start = open(f"/proc/{proc.pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        start = proc_stat(proc.pid)[19]
         shards = []
         for n in range(3):
             control = tmp_path / f"shard {n}"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.worker import proc_stat
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tasks" / "launch.sh"
 
@@ -126,7 +128,7 @@ def test_a_zombie_with_the_recorded_pid_is_not_adopted(tmp_path, recorder):
         time.sleep(0.2)
         control = tmp_path / "control"
         control.mkdir()
-        start = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[19]
+        start = proc_stat(pid)[19]
         (control / "pid").write_text(f"{pid}\n")
         (control / "pid.start").write_text(start)
         out = launch(control, "--", recorder, ticks=2)
