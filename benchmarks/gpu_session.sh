@@ -16,6 +16,7 @@
 #                                      # layers; whole layers did not finish compiling in 490 s: RESULTS.md)
 #   bash benchmarks/gpu_session.sh 6   # the preflight's GPU facts (nvidia-smi, parsed as the preflight does)
 #   bash benchmarks/gpu_session.sh 9   # the worker's imports and steps before its load, timed (startup_imports.py)
+#   bash benchmarks/gpu_session.sh 12  # the 64-layer profile table and the levers of issue 40 (gpu_profile.py)
 #   bash benchmarks/gpu_session.sh 8   # the host syncs in a forward; the bare forward with the worker's masks made
 #                                      # once and with the model's own; quiet, beside the worker's host work, quiet
 #                                      # again (~5 min)
@@ -116,7 +117,12 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
     clocks "$OUT/load.json" | tee -a "$OUT/hostload.log" ;;
 9)
     timeout 300 python3 benchmarks/startup_imports.py 2>&1 | quiet | tee "$OUT/imports.log" ;;
+12)  # issue 40: the 64-layer profile table and every lever beside the baseline (LEVERS: which; default all)
+    timeout ${PROFILE_S:-570} python3 benchmarks/gpu_profile.py --model-layers ${MODEL_LAYERS:-64} \
+        --levers ${LEVERS:-all} --deadline ${DEADLINE_S:-470} --json "$OUT/profile.json" 2>&1 | quiet \
+        | tee "$OUT/profile.log"
+    gzip -f "$OUT"/trace-*.json 2>/dev/null ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null || true  # clocks() may have stopped it already
