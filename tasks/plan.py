@@ -15,7 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hsextract.errors import UsageError
+from hsextract.journal import OutputState
+from hsextract.layers import parse_layer_spec
 from hsextract.options import WorkerOptions
+from hsextract.recipe import Recipe, RecipeMismatch, describe
 from hsextract.store import NoSuchBucket, Store, open_store, scan
 
 from .attempts import AttemptRecord
@@ -162,7 +166,9 @@ def plan_run(p: dict, log) -> Plan:
     if bad := [s for s in requested if not 0 <= s < num_shards]:
         raise ValueError(f"shards={bad}: out of range for num_shards={num_shards}")
     store = open_store(p["output"], client=access.client)
-    already = done_shards(store, num_shards, run, log) if p["shards"] is None else set()
+    state = read_output(store, run, log)
+    check_recipe(state, options, p, store.uri)
+    already = {s for s in range(num_shards) if state.done(s, num_shards)} if p["shards"] is None else set()
     attempts = AttemptRecord(store, run, num_shards, log, lambda: reachable(store, inventory))
     if p["reset_attempts"]:
         attempts.reset(requested)
@@ -196,15 +202,51 @@ def deadlines(p: dict) -> Deadlines:
                      progress_timeout_s=p["progress_timeout_s"])
 
 
-def done_shards(store: Store, num_shards: int, run: str, log) -> set[int]:
-    """Shards of `num_shards` whose journal (in the output, as far as the orchestrator can read it) ends with
-    `done`: skipped without touching a host. A missing bucket stops the run here, before any launch."""
+def read_output(store: Store, run: str, log) -> OutputState:
+    """The output's journals as far as the orchestrator can read them (shards whose journal ends with `done`
+    are skipped without touching a host; the recipe they record is checked). A missing bucket stops the run
+    here, before any launch; an output the orchestrator cannot read is left to the workers, which resume by
+    id and check the recipe themselves."""
     try:
-        state = scan(store)
+        return scan(store)
     except NoSuchBucket as exc:
         raise ValueError(f"output={store.uri!r}: {exc}") from None
-    except Exception as exc:  # the orchestrator may not reach the store; the workers resume by id anyway
+    except Exception as exc:
         log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
                     "each skips what its journal already holds", run, store.uri, exc)
-        return set()
-    return {shard for shard in range(num_shards) if state.done(shard, num_shards)}
+        return OutputState()
+
+
+def check_recipe(state: OutputState, options: WorkerOptions, p: dict, where: str) -> None:
+    """RecipeMismatch when the output records more than one recipe, or one that the run's parameters
+    contradict in what the orchestrator can tell without the model (the layers, resolved against the recorded
+    model's depth; the last state; the dtypes; the length policy). The model's and tokenizer's content are
+    compared by each worker, which reads them on its host."""
+    prints = state.fingerprints()
+    if len(prints) > 1:
+        raise RecipeMismatch(f"output={where!r} holds {len(prints)} recipes ("
+                             + "; ".join(f"{fp} in {', '.join(dirs[:3])}" for fp, dirs in prints.items())
+                             + "): its samples are not one dataset; `hsextract fsck` says which files are which")
+    if not prints:
+        return  # nothing recorded yet (a new output, or one from before recipes were recorded)
+    entry = next(iter(state.recipes.values()))
+    recorded = Recipe.from_json(entry.get("recipe") or {}, f"{where} recipe")
+    try:
+        layers = tuple(parse_layer_spec(options.layers, recorded.num_model_layers))
+    except UsageError as exc:
+        raise RecipeMismatch(f"layers={options.layers!r}: {exc} (the output's model has "
+                             f"{recorded.num_model_layers} layers)") from None
+    if options.dtype != "auto":
+        dtype = options.dtype
+    elif options.device == "cpu" or options.device.startswith("cuda"):
+        dtype = "float32" if options.device == "cpu" else "bfloat16"  # as the worker resolves "auto"
+    else:
+        dtype = recorded.dtype  # device "auto": resolved on each host, where the worker compares it
+    out_dtype = dtype if options.out_dtype == "auto" else options.out_dtype
+    asked = {"layer_ids": layers, "include_last": bool(options.include_last), "dtype": dtype, "out_dtype": out_dtype,
+             "max_length": options.max_length, "long_samples": options.overlong}
+    differences = [(name, value, getattr(recorded, name)) for name, value in asked.items()
+                   if value != getattr(recorded, name)]
+    if differences:
+        raise RecipeMismatch(f"output={where!r}: the parameters differ from its recipe ({recorded.fingerprint}): "
+                             f"{describe(differences)}. A deliberate change of recipe takes a new output")

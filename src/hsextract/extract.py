@@ -29,6 +29,7 @@ from .prewarm import SHORTEST, Prewarm, WarmThread, mark_tuned, tuned_marker
 from .preload import Preload, start_preload
 from .readahead import ReadAhead
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
+from .recipe import recipe_of
 from .records import Bad, Record
 from .shard import Shard, drive
 from .writer import BAD_KEY, BatchWriter, writer_staging
@@ -56,18 +57,19 @@ class ShardRun(Shard):
     def run(self, layer_ids: list[int]) -> dict:
         """Resume, extract every pending sample of the shard, drain the uploads: the summary (journaled `done`)."""
         opts = self.opts
+        device = resolve_device(opts.device)
+        dtype = resolve_dtype(opts.dtype, device)
+        self.recipe = recipe_of(opts, layer_ids, str(dtype).removeprefix("torch."))
         pending = self.begin()
         if not pending:
             self.stop_read_ahead()
             return self.finish()  # everything assigned is already written or skipped: no model needed
         self.progress.phase = "loading_model"
-        device = resolve_device(opts.device)
         cuda = CudaStart(device)  # the device's context made while transformers, the model code, the tokenizer load
         if opts.random_weights is not None:
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: --random-weights {opts.random_weights}: "
                   f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
                   flush=True)
-        dtype = resolve_dtype(opts.dtype, device)
         info = read_model_info(opts.model)
         self.preload = self.start_preload(layers_to_load(layer_ids, info.num_layers, opts.include_last), device,
                                           dtype)  # the weights to the device beside the imports
@@ -150,6 +152,7 @@ class ShardRun(Shard):
             "dtype": str(capture.dtype).removeprefix("torch."), "hsextract_version": __version__,
             **({"hidden_states_encoding": FP8_ENCODING} if opts.out_dtype == "fp8_e4m3" else {}),
             **({"random_weights": str(opts.random_weights)} if opts.random_weights is not None else {}),
+            **self.recipe_metadata(),
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()

@@ -7,6 +7,9 @@ One JSON object per line in `<out>/<shard dir>/journal.jsonl`:
   {"kind": "done", "summary": {...}, "time"}
   {"kind": "lost", "file", "why", "time"}   appended by reconcile: the file is gone or corrupt in the store,
                                             so its samples count as not written and a re-run redoes them
+  {"kind": "recipe", "fingerprint", "recipe": {...}, "time"}   what the states are made with
+                                            (`hsextract.recipe`), appended by a run before its first file
+                                            (and by a later run whose versions differ)
 A batch file that no "file" entry names does not exist. A shard is complete while its journal's last entry
 is "done" (a later "lost", or a new run's entries, reopen it). A torn last line (a kill mid-append) is
 ignored by readers and cut off before the next append.
@@ -149,6 +152,14 @@ class OutputState:
     done_shards: set[str] = field(default_factory=set)  # shard dirs whose journal ends with `done`
     duplicates: set[tuple[str, int]] = field(default_factory=set)  # (id, line) of repeated ids, recorded
     objects: dict = field(default_factory=dict)  # key -> StoredObject: the store's listing, when scanned
+    recipes: dict[str, dict] = field(default_factory=dict)  # shard dir -> its journal's last `recipe` entry
+
+    def fingerprints(self) -> dict[str, list[str]]:
+        """Recipe fingerprint -> the shard dirs whose journals were made with it (more than one: mixed)."""
+        found: dict[str, list[str]] = {}
+        for shard, entry in sorted(self.recipes.items()):
+            found.setdefault(entry.get("fingerprint", "?"), []).append(shard)
+        return found
 
     def finished(self, sample_id: str) -> bool:
         """Written or skipped by some run (either way: nothing to do for it)."""
@@ -176,6 +187,8 @@ def merge_journals(journals: Iterable[tuple[str, list[dict]]]) -> OutputState:
                 state.duplicates.add((entry["id"], entry["line"]))
             elif kind == "skip":
                 state.skipped.setdefault(entry["id"], entry["reason"])
+            elif kind == "recipe":
+                state.recipes[shard] = entry
         if entries and entries[-1].get("kind") == "done":
             state.done_shards.add(shard)
     return state

@@ -22,6 +22,7 @@ from .liveness import Heartbeat, Progress, stop_request, write_json_atomic
 from .options import WorkerOptions
 from .payload import Prepared, Unsealed, write_unsealed
 from .preflight import read_model_info
+from .recipe import Recipe, refuse
 from .records import Bad, Record, iter_records
 from .sharding import shard_of
 from .status import ProgressReporter
@@ -47,6 +48,7 @@ class Shard:
         self.pipeline: dict = {}  # the extraction loop's timings
         self.assigned: set[str] = set()
         self.next_seq = 1
+        self.recipe: Recipe | None = None  # what this run's states are made with: set by `run()` before `begin()`
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
@@ -86,8 +88,10 @@ class Shard:
         self.lock()
         if opts.upload:
             self.start_uploader()
+        recorded = self.check_recipe()  # before a byte of this run is written
         self.clean_shard_dir()
         self.journal = Journal(opts.shard_dir)
+        self.record_recipe(recorded)
         if self.uploader:
             self.resume_uploads()
         self.progress.phase = "reading_data"
@@ -95,6 +99,38 @@ class Shard:
 
     def run(self, layer_ids: list[int]) -> dict:
         raise NotImplementedError
+
+    def check_recipe(self) -> dict | None:
+        """RecipeMismatch (exit 2) when this shard's journal, or any other shard's in the output (in the store,
+        for s3://: the journals the uploader fetched), records another recipe than this run's; returns this
+        shard's last recorded `recipe` entry (None: none yet)."""
+        if self.recipe is None:
+            return None
+        state = scan(LocalStore(self.opts.out_dir))
+        mine = self.opts.shard_dir.name
+        where = self.opts.upload or str(self.opts.out_dir)  # (the message stays short: the reason line of a run)
+        for shard_dir in sorted(state.recipes, key=lambda d: d != mine):  # this shard's own journal first
+            entry = state.recipes[shard_dir]
+            recorded = Recipe.from_json(entry.get("recipe") or {}, f"{where}/{shard_dir}/{JOURNAL_NAME}")
+            refuse(self.recipe, recorded, "this shard" if shard_dir == mine else "the output")
+        return state.recipes.get(mine)
+
+    def recipe_metadata(self) -> dict[str, str]:
+        """The batch files' metadata naming this run's recipe (its fingerprint, and the recipe as JSON)."""
+        if self.recipe is None:
+            return {}
+        return {"recipe_fingerprint": self.recipe.fingerprint,
+                "recipe": json.dumps(self.recipe.to_json(), separators=(",", ":"))}
+
+    def record_recipe(self, recorded: dict | None) -> None:
+        """Journal this run's recipe where the shard has none yet, or where this run's versions differ from the
+        last run's (the states' fingerprint is the same: `check_recipe` refused any other)."""
+        if self.recipe is None:
+            return
+        mine = self.recipe.to_json()
+        if recorded is None or (recorded.get("recipe") or {}).get("versions") != mine["versions"]:
+            self.journal.append({"kind": "recipe", "fingerprint": self.recipe.fingerprint, "recipe": mine},
+                                durable=True)
 
     def start_uploader(self) -> None:
         """With an s3:// output: take the store's journals into the spool, and start the uploader."""

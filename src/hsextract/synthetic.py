@@ -30,6 +30,7 @@ from .payload import Entry, Prepared, layout
 from .preflight import read_model_info
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token
 from .records import Bad, Record
+from .recipe import recipe_of
 from .shard import Shard, drive
 
 #: one pool of random bytes, repeated to the size of a batch's states (its bytes need not differ per file)
@@ -65,6 +66,7 @@ class SyntheticRun(Shard):
 
     def run(self, layer_ids: list[int]) -> dict:
         opts = self.opts
+        self.recipe = recipe_of(opts, layer_ids, "bfloat16")
         pending = self.begin()
         if not pending:
             return self.finish()
@@ -75,7 +77,7 @@ class SyntheticRun(Shard):
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
             "hidden_size": str(info.hidden_size), "num_model_layers": str(info.num_layers),
             "dtype": "bfloat16", "hsextract_version": __version__, "synthetic": f"{opts.synthetic:g}",
-            **({"hidden_states_encoding": FP8_ENCODING} if fp8 else {}),
+            **({"hidden_states_encoding": FP8_ENCODING} if fp8 else {}), **self.recipe_metadata(),
         }
         self.states = StatePool(width, len(layer_ids), fp8, info.vocab_size)
         print(f"hsextract: shard {opts.shard}/{opts.num_shards}: synthetic: no model; random states of "

@@ -1,0 +1,113 @@
+"""The output proves what it is: one recipe per output, refused before a byte when a run would mix another in."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import hsextract
+from hsextract import tiny
+from hsextract.journal import read_entries
+
+from harness.worker import run_extract, summary_of
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return tiny.build_dataset(tmp_path_factory.mktemp("integrity") / "chat.jsonl", 40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> Path:
+    """The tiny model's shapes and tokenizer, other weights."""
+    return tiny.build_model(tmp_path_factory.mktemp("other") / "qwen3_5_tiny", kind="qwen3_5_text", seed=1)
+
+
+def snapshot(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and p.suffix in (".jsonl", ".safetensors")}
+
+
+def test_a_resume_with_other_layers_is_refused_before_a_byte(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    first = run_extract(tiny_model, data, out, 0, 2, layers="dflash:3")
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    recipe = next(e for e in read_entries(out / "shard-00000-of-00002" / "journal.jsonl") if e["kind"] == "recipe")
+    assert recipe["recipe"]["layer_ids"] == [1, 3, 5]
+    # the same shard again, and the other shard of the output, each with other layers: exit 2, nothing written
+    for shard in (0, 1):
+        refused = run_extract(tiny_model, data, out, shard, 2, layers="1,2")
+        assert refused.returncode == 2, refused.stderr
+        assert "layer_ids [1, 2] asked, [1, 3, 5] in the output" in refused.stderr
+        assert recipe["fingerprint"] in refused.stderr and "new output" in refused.stderr
+        assert snapshot(out) == before
+        exit_record = json.loads((out / f"shard-0000{shard}-of-00002" / "exit.json").read_text())
+        assert exit_record["code"] == 2 and "recipe differs" in exit_record["reason"]
+    # the same recipe finishes the output; every file names it
+    second = run_extract(tiny_model, data, out, 1, 2, layers="dflash:3")
+    assert second.returncode == 0, second.stderr
+    from safetensors import safe_open
+
+    for path in out.glob("shard-*/batch-*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            meta = handle.metadata()
+        assert meta["recipe_fingerprint"] == recipe["fingerprint"]
+        assert json.loads(meta["recipe"])["layer_ids"] == [1, 3, 5]
+    assert {s["hidden_states"].shape[1] for s in hsextract.read_samples(out)} == {3 * 64}
+
+
+def test_another_checkpoint_is_refused_and_a_copy_of_the_same_one_elsewhere_is_not(tiny_model, other_model, data,
+                                                                                   tmp_path):
+    out = tmp_path / "out"
+    assert run_extract(tiny_model, data, out, 0, 2).returncode == 0
+    before = snapshot(out)
+    refused = run_extract(other_model, data, out, 1, 2)
+    assert refused.returncode == 2 and "weights" in refused.stderr and snapshot(out) == before, refused.stderr
+    copy = tmp_path / "elsewhere" / "model"
+    shutil.copytree(tiny_model, copy)
+    extended = run_extract(copy, data, out, 1, 2)
+    assert extended.returncode == 0, extended.stderr
+    assert summary_of(extended)["samples_written"] > 0
+
+
+def test_the_flow_refuses_other_layers_on_a_sealed_output(prefect_server, tiny_model, data, tmp_path):
+    from flows.extract import extract
+    from harness.inventory import write_inventory
+
+    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0, 1],
+                                                       "workdir": str(tmp_path / "w"), "python": sys.executable}])
+    kwargs = dict(model=str(tiny_model), data=str(data), output=f"file://{tmp_path / 'out'}", hosts=str(hosts),
+                  heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
+                  host_timeout_s=10)
+    state = extract(return_state=True, layers="dflash:3", run_name="recipe", **kwargs)
+    assert state.is_completed(), state.message
+    before = snapshot(tmp_path / "out")
+    state = extract(return_state=True, layers="1,2", run_name="recipe", **kwargs)
+    assert state.is_failed()
+    assert "layer_ids [1, 2] asked, [1, 3, 5] in the output" in state.message and "new output" in state.message
+    assert snapshot(tmp_path / "out") == before
+
+
+def test_the_flow_fails_a_worker_with_another_checkpoint_without_retrying_it(prefect_server, tiny_model, other_model,
+                                                                            data, tmp_path):
+    from flows.extract import extract
+    from harness.inventory import write_inventory
+
+    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0],
+                                                       "workdir": str(tmp_path / "w"), "python": sys.executable}])
+    kwargs = dict(data=str(data), output=f"file://{tmp_path / 'out'}", hosts=str(hosts), layers="1,3",
+                  num_shards=2, heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30,
+                  stall_timeout_s=20, host_timeout_s=10)
+    assert extract(return_state=True, model=str(tiny_model), shards=[0], run_name="a", **kwargs).is_completed()
+    state = extract(return_state=True, model=str(other_model), run_name="b", **kwargs)
+    assert state.is_failed()
+    assert "weights" in state.message and "new output" in state.message, state.message
+    assert "not retried (a re-run cannot fix this)" in state.message  # a mistake: not handed to the automation
+    attempts = json.loads((tmp_path / "out" / "_runs" / "b" / "attempts.json").read_text())
+    assert attempts["shard-00001-of-00002"]["failed_attempts"] == 0  # and no attempt counted
