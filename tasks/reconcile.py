@@ -3,15 +3,19 @@
 `reconcile_output` scans the output (`hsextract.store.scan`: every shard journal, and the listing of every
 stored object), then accounts for each of the dataset's sample ids: done (in a stored object whose size and
 checksum match its journal entry), skipped (by reason), or missing. Samples stored twice resolve to one copy
-in the index. Only when nothing is missing does it write the index (`_index.jsonl`: one line per sample,
-id -> file, row, token offsets) and claim `_SUCCESS` with a create-only write, so two reconcilers cannot both
-seal one run. The same code serves a local directory and an S3 prefix (a `Store`).
+in the index. The seal is true or absent: an output found incomplete, or holding more than one recipe, loses
+its `_SUCCESS` and `_index.jsonl` first (a stale seal is never trusted). Only when nothing is missing does it
+write the index (one line per sample: id -> file, row, token offsets) and claim `_SUCCESS` with a create-only
+write, so two reconcilers cannot both seal one run; the seal names the recipe's fingerprint, a generation
+(one more than the seal it replaces) and the index's sha256. A seal whose index no longer matches the output
+(a file retracted and redone since) is replaced. The same code serves a local directory and an S3 prefix.
 
 No torch: the dataset's ids come from `hsextract.records`, the same code the worker assigns ids with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections import Counter, defaultdict
@@ -29,6 +33,7 @@ from hsextract.store import Store, scan
 
 INDEX_NAME = "_index.jsonl"
 SUCCESS_NAME = "_SUCCESS"
+UNSEALED_NAME = "_UNSEALED"  # left where a seal was removed: its generation and why (the next seal counts on)
 
 
 @dataclass
@@ -60,7 +65,20 @@ class Report:
     shards: dict[int, ShardReport] = field(default_factory=dict)
     sealed: bool = False                 # this reconcile wrote _SUCCESS
     already_sealed: bool = False         # _SUCCESS existed (another reconciler, or an earlier run)
+    unsealed: bool = False               # this reconcile removed a seal that no longer held
+    recipes: dict[str, list[str]] = field(default_factory=dict)  # fingerprint -> shard dirs (more than one: mixed)
+    generation: int = 0                  # the seal's generation, when sealed
     seconds: float = 0.0
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The output's one recipe fingerprint (None: none recorded, or more than one)."""
+        return next(iter(self.recipes)) if len(self.recipes) == 1 else None
+
+    @property
+    def mixed(self) -> bool:
+        """More than one recipe in the output: not one dataset, never sealed."""
+        return len(self.recipes) > 1
 
     @property
     def missing(self) -> int:
@@ -69,8 +87,8 @@ class Report:
 
     @property
     def complete(self) -> bool:
-        """Nothing missing (the run can be sealed)."""
-        return self.missing == 0
+        """Nothing missing and one recipe (the run can be sealed)."""
+        return self.missing == 0 and not self.mixed
 
     @property
     def shards_to_rerun(self) -> list[int]:
@@ -84,7 +102,8 @@ class Report:
                 "missing_objects": len(self.missing_objects), "corrupt_objects": len(self.corrupt_objects),
                 "unjournaled_objects": self.unjournaled_objects, "shards_to_rerun": self.shards_to_rerun,
                 "complete": self.complete, "sealed": self.sealed, "already_sealed": self.already_sealed,
-                "seconds": round(self.seconds, 3)}
+                "unsealed": self.unsealed, "fingerprint": self.fingerprint, "recipes": self.recipes,
+                "generation": self.generation, "seconds": round(self.seconds, 3)}
 
     def markdown(self) -> str:
         """The summary artifact: counts, skip reasons, missing and corrupt objects, shards to re-run."""
@@ -97,10 +116,16 @@ class Report:
             if items:
                 lines.append(f"{title} ({len(items)}): " + ", ".join(f"`{k}`" for k in items[:20])
                              + (" ..." if len(items) > 20 else ""))
+        if self.mixed:
+            lines.append(f"**Mixed recipes** ({len(self.recipes)}): " + "; ".join(
+                f"`{fp}` in {', '.join(dirs[:5])}" for fp, dirs in self.recipes.items())
+                + ". Not one dataset: `hsextract fsck` lists which files are which.")
         if self.shards_to_rerun:
             lines.append(f"Shards to re-run: {self.shards_to_rerun}")
-        lines.append(f"{'_SUCCESS written' if self.sealed else '_SUCCESS already present' if self.already_sealed else 'not sealed'}"
-                     f"; reconciled in {self.seconds:.2f}s.")
+        seal = (f"_SUCCESS written (generation {self.generation})" if self.sealed else
+                f"_SUCCESS already present (generation {self.generation})" if self.already_sealed else
+                "a stale _SUCCESS removed: not sealed" if self.unsealed else "not sealed")
+        lines.append(f"Recipe `{self.fingerprint or '-'}`; {seal}; reconciled in {self.seconds:.2f}s.")
         return "\n\n".join(lines)
 
     def table(self) -> list[dict]:
@@ -118,7 +143,11 @@ def reconcile_output(store: Store, dataset_ids: Iterable[str], num_shards: int, 
     started = time.monotonic()
     report = Report(num_shards)
     state = scan(store, checksums=verify)
+    report.recipes = state.fingerprints()
     where, copies, lost = _locate(state, report)
+    previous = _current_seal(store, state) if seal else None
+    if (lost or report.mixed) and seal:  # before anything else: no reader trusts a stale seal
+        report.unsealed = _unseal(store, state, previous, "objects lost or corrupt" if lost else "mixed recipes")
     if retract:
         for shard_dir, name, why in lost:
             store.append_lines(f"{shard_dir}/{JOURNAL_NAME}",
@@ -127,13 +156,25 @@ def reconcile_output(store: Store, dataset_ids: Iterable[str], num_shards: int, 
     report.unjournaled_objects = sum(1 for k in state.objects if k.endswith(".safetensors") and k not in journaled)
     report.duplicated = sum(1 for n in copies.values() if n > 1)
     seen = _account(report, dataset_ids, where, state.skipped)
-    if report.complete and seal:
-        if SUCCESS_NAME in state.objects:
-            report.already_sealed = True
-        else:
-            _seal(store, report, ((i, spot) for i, spot in where.items() if i in seen), started)
+    if seal and not report.complete and not report.unsealed:
+        report.unsealed = _unseal(store, state, previous, f"{report.missing} sample(s) missing")
+    elif report.complete and seal:
+        _seal(store, state, report, [(i, spot) for i, spot in where.items() if i in seen], started, previous)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _unseal(store: Store, state, previous: dict | None, why: str) -> bool:
+    """Remove `_SUCCESS`, say so in `_UNSEALED` (its generation, why), then remove the index it vouched for;
+    whether there was a seal."""
+    had = SUCCESS_NAME in state.objects
+    if had:
+        store.delete(SUCCESS_NAME)
+        store.write(UNSEALED_NAME, json.dumps({"time": round(time.time(), 3), "why": why,
+                                               "generation": int((previous or {}).get("generation") or 0)}).encode())
+    if INDEX_NAME in state.objects:
+        store.delete(INDEX_NAME)
+    return had
 
 
 def _locate(state, report: Report):
@@ -189,16 +230,44 @@ def _account(report: Report, dataset_ids: Iterable[str], where: dict, skipped: d
     return seen
 
 
-def _seal(store: Store, report: Report, index: Iterator[tuple[str, tuple]], started: float) -> None:
-    """Write the index, then claim `_SUCCESS` (create-only): `report.sealed` if this call won it."""
-    lines = (json.dumps({"id": i, "file": k, "row": r, "start": s, "end": e}, separators=(",", ":"))
-             for i, (k, r, s, e) in index)
-    store.write(INDEX_NAME, ("\n".join(lines) + "\n").encode())
+def _seal(store: Store, state, report: Report, index: list[tuple[str, tuple]], started: float,
+          previous: dict | None) -> None:
+    """Claim `_SUCCESS` for the index of `index`: already there when a seal holds this very index (its sha256);
+    a seal of another index (the output changed since) is removed and replaced, one generation on. The index
+    is written before the seal is claimed (create-only): `report.sealed` if this call won it."""
+    body = ("\n".join(json.dumps({"id": i, "file": k, "row": r, "start": s, "end": e}, separators=(",", ":"))
+                      for i, (k, r, s, e) in index) + "\n").encode()
+    digest = hashlib.sha256(body).hexdigest()
+    if previous is not None and not report.unsealed and previous.get("index_sha256") == digest \
+            and previous.get("fingerprint") == report.fingerprint:
+        report.already_sealed, report.generation = True, int(previous.get("generation") or 1)
+        return
+    if previous is not None and not report.unsealed and SUCCESS_NAME in state.objects:  # another index's: stale
+        report.unsealed = _unseal(store, state, previous, "the output changed since it was sealed")
+    report.generation = int((previous or {}).get("generation") or 0) + 1
+    store.write(INDEX_NAME, body)
     report.seconds = time.monotonic() - started
-    marker = json.dumps({"time": round(time.time(), 3), "index": INDEX_NAME, **report.summary(),
-                         "sealed": True}).encode()
+    marker = json.dumps({"time": round(time.time(), 3), "index": INDEX_NAME, "index_sha256": digest,
+                         **report.summary(), "generation": report.generation, "sealed": True}).encode()
     report.sealed = store.create(SUCCESS_NAME, marker)
     report.already_sealed = not report.sealed
+    if report.sealed and UNSEALED_NAME in state.objects:
+        store.delete(UNSEALED_NAME)
+
+
+def _current_seal(store: Store, state) -> dict | None:
+    """The seal's body ({} when unreadable: stale); where a seal was removed, `_UNSEALED`'s (its generation);
+    None when there is neither."""
+    name = SUCCESS_NAME if SUCCESS_NAME in state.objects else UNSEALED_NAME if UNSEALED_NAME in state.objects \
+        else None
+    if name is None:
+        return None
+    try:
+        return json.loads(store.read(name))
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        return {}
 
 
 def dataset_ids(path: str | Path) -> Iterator[str]:

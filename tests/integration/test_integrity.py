@@ -111,3 +111,34 @@ def test_the_flow_fails_a_worker_with_another_checkpoint_without_retrying_it(pre
     assert "not retried (a re-run cannot fix this)" in state.message  # a mistake: not handed to the automation
     attempts = json.loads((tmp_path / "out" / "_runs" / "b" / "attempts.json").read_text())
     assert attempts["shard-00001-of-00002"]["failed_attempts"] == 0  # and no attempt counted
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_stale_seal_is_removed_first_and_a_repaired_output_sealed_anew(tiny_model, data, tmp_path, damage):
+    from hsextract.store import LocalStore
+    from tasks.reconcile import INDEX_NAME, SUCCESS_NAME, dataset_ids, reconcile_output
+
+    out = tmp_path / "out"
+    for shard in range(2):
+        assert run_extract(tiny_model, data, out, shard, 2, "--token-budget", "256").returncode == 0
+    first = reconcile_output(LocalStore(out), dataset_ids(data), 2)
+    assert first.sealed and first.generation == 1 and first.fingerprint
+    seal = json.loads((out / SUCCESS_NAME).read_text())
+    assert seal["fingerprint"] == first.fingerprint and seal["generation"] == 1 and len(seal["index_sha256"]) == 64
+    victim = sorted(out.glob("shard-00001-of-00002/batch-*.safetensors"))[0]
+    if damage == "deleted":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[:1000])
+    found = reconcile_output(LocalStore(out), dataset_ids(data), 2, retract=True)
+    assert not found.complete and found.unsealed and not found.sealed and not found.already_sealed
+    assert not (out / SUCCESS_NAME).exists() and not (out / INDEX_NAME).exists()
+    assert "stale _SUCCESS removed" in found.markdown()
+    rerun = run_extract(tiny_model, data, out, 1, 2, "--token-budget", "256")
+    assert rerun.returncode == 0, rerun.stderr
+    healed = reconcile_output(LocalStore(out), dataset_ids(data), 2)
+    assert healed.sealed and healed.generation == 2
+    named = {json.loads(line)["file"] for line in (out / INDEX_NAME).read_text().splitlines()}
+    assert all((out / key).is_file() for key in named) and f"shard-00001-of-00002/{victim.name}" not in named
+    again = reconcile_output(LocalStore(out), dataset_ids(data), 2)
+    assert again.already_sealed and again.generation == 2 and not again.sealed
