@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_session.sh 6   # the preflight's GPU facts (nvidia-smi, parsed as the preflight does)
 #   bash benchmarks/gpu_session.sh 9   # the worker's imports and steps before its load, timed (startup_imports.py)
 #   bash benchmarks/gpu_session.sh 12  # the 64-layer profile table and the levers of issue 40 (gpu_profile.py)
+#   bash benchmarks/gpu_session.sh 13  # the fused kernels' correctness and error vs fp32, the 32-layer worker on them
 #   bash benchmarks/gpu_session.sh 8   # the host syncs in a forward; the bare forward with the worker's masks made
 #                                      # once and with the model's own; quiet, beside the worker's host work, quiet
 #                                      # again (~5 min)
@@ -117,12 +118,22 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
     clocks "$OUT/load.json" | tee -a "$OUT/hostload.log" ;;
 9)
     timeout 300 python3 benchmarks/startup_imports.py 2>&1 | quiet | tee "$OUT/imports.log" ;;
+13)  # issue 40: the fused kernels checked (the tiny worker against its references; 12 layers of the 27B shape
+     # against fp32, default and fused side by side), then the 32-layer worker on them against its own GPU ceiling
+    timeout ${CORRECT_S:-120} python3 benchmarks/gpu_correctness.py --samples 24 --kernels fused --no-preload-check \
+        2>&1 | quiet | tee "$OUT/correct-full.log" | grep "kernels\|equal\|differ" | tail -4
+    tail -7 "$OUT/correct-full.log"
+    timeout ${ERR_S:-100} python3 benchmarks/gpu_correctness.py --shape27b ${ERR_LAYERS:-12} --samples 4 2>&1 | quiet \
+        | tee "$OUT/err27b.log"
+    timeout ${TP_S:-330} python3 benchmarks/gpu_throughput.py --kernels fused --sustained --no-reference --no-sink \
+        --naive-samples 0 --samples ${SAMPLES:-600} --ceiling-batches 12 --json "$OUT/tp32f.json" 2>&1 | quiet \
+        | tee "$OUT/tp32f.log" | tail -25 ;;
 12)  # issue 40: the 64-layer profile table and every lever beside the baseline (LEVERS: which; default all)
     timeout ${PROFILE_S:-570} python3 benchmarks/gpu_profile.py --model-layers ${MODEL_LAYERS:-64} \
         --levers ${LEVERS:-all} --deadline ${DEADLINE_S:-470} --json "$OUT/profile.json" 2>&1 | quiet \
         | tee "$OUT/profile.log"
     gzip -f "$OUT"/trace-*.json 2>/dev/null ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null || true  # clocks() may have stopped it already

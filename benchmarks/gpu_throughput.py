@@ -279,7 +279,7 @@ def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> di
 
 def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: bool = False,
                      compiled: str | None = None, reference: bool = True, sustained=None, budget: int = 8192,
-                     host_load: tuple[Path, int] | None = None) -> dict:
+                     host_load: tuple[Path, int] | None = None, kernels: str = "default") -> dict:
     """The bare forward (the GPU ceiling, with the kernels the worker uses) and the capture, on the same model and
     batches; side by side, the bare forward with transformers' reference causal convolution and, with
     `compiled`, with every decoder layer ("layers") or every layer's MLP ("mlp") under torch.compile (dynamic
@@ -299,9 +299,9 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     bare_tokens = sum(len(s) for b in sustained or packed for s in b)
     # the worker's start: kernels tuned for every batch size by child processes while the model is made
     tuning = Prewarm.start(model_dir, batch_size_buckets(budget // SHORTEST), budget, "cuda", torch.bfloat16,
-                           default_procs())
+                           default_procs(), kernels)
     began = time.perf_counter()
-    capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16, random_weights=SEED)
+    capture = LayerCapture(model_dir, layer_ids, False, "cuda", torch.bfloat16, random_weights=SEED, kernels=kernels)
     torch.cuda.synchronize()
     out = {"made_s": time.perf_counter() - began, "kernels": capture.kernels}
     out["tune_s"] = tuning.wait(900)
@@ -650,6 +650,9 @@ def main() -> int:
     ap.add_argument("--host-load", action="store_true",
                     help="also time the bare forward over the ceiling batches beside the worker's host work (copy "
                          "out, hash, write + fsync at its output rate), between two quiet timings")
+    ap.add_argument("--kernels", default="default", choices=("default", "fused"),
+                    help="the worker's --kernels, for the bare forward, the capture and the worker alike")
+    ap.add_argument("--no-sink", action="store_true", help="skip the sink's figures (the ratio is to the GPU ceiling)")
     ap.add_argument("--oom-budget", type=int, default=0,
                     help="also run the worker with this huge token budget: it must split batches on CUDA OOM")
     args = ap.parse_args()
@@ -687,7 +690,7 @@ def main() -> int:
     packed = spread(every, args.ceiling_batches)
     ceilings = bare_and_capture(model_dir, layer_ids, packed, args.bare_only, args.compile, not args.no_reference,
                                 every if args.sustained else None, args.token_budget,
-                                (out.parent / "load", width * 2) if args.host_load else None)
+                                (out.parent / "load", width * 2) if args.host_load else None, args.kernels)
     bare_tps, capture_tps, params, made_s = (ceilings["bare"], ceilings.get("capture", 0.0), ceilings["params"],
                                              ceilings["made_s"])
     mfu = 2 * params * bare_tps / (args.peak_tflops * 1e12)
@@ -710,12 +713,13 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         return 0
     bf16_bytes, fp8_bytes = width * 2, fp8_bytes_per_token(width, len(layer_ids))
-    disk = sink(out.parent / "sink", packed, bf16_bytes)
+    disk = ({k: float("inf") for k in (*CEILING_FIGURES, "ours", "zeros")} if args.no_sink else
+            sink(out.parent / "sink", packed, bf16_bytes))
     raw_bps = max(disk[k] for k in CEILING_FIGURES)
     raw_tps, sink_tps = raw_bps / bf16_bytes, disk["ours"] / bf16_bytes
     print("sink (bf16 sizes): " + ", ".join(f"{k} {v / 2**30:.3f} GiB/s" for k, v in disk.items()), flush=True)
     with phase("worker bf16"):
-        summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget)
+        summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--kernels", args.kernels)
     worker_tps = summary["tokens_per_s"]
     steady_tps = summary["steady"]
     # the steady state's own ceiling: the bare forward over the same batches (those after the worker's first file)
@@ -728,10 +732,12 @@ def main() -> int:
           f" peak GPU {summary.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB; pipeline {summary.get('pipeline')}", flush=True)
     fp8 = None
     if args.fp8:
-        disk8 = sink(out.parent / "sink", packed, fp8_bytes, ours=False)
+        disk8 = ({k: float("inf") for k in (*CEILING_FIGURES, "zeros")} if args.no_sink else
+                 sink(out.parent / "sink", packed, fp8_bytes, ours=False))
         raw8_tps = max(disk8[k] for k in CEILING_FIGURES) / fp8_bytes
         with phase("worker fp8"):
-            fp8 = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--out-dtype", "fp8_e4m3")
+            fp8 = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, "--out-dtype", "fp8_e4m3",
+                         "--kernels", args.kernels)
         fp8["ceiling"] = min(bare_tps, raw8_tps)
         fp8["steady_ceiling"] = min(same_batches(every, ceilings["batch_s"], fp8["first_file_tokens"]),
                                     raw8_tps) if "batch_s" in ceilings else 0.0
@@ -747,7 +753,8 @@ def main() -> int:
         shutil.rmtree(out, ignore_errors=True)
         print(f"OOM split: token budget {args.oom_budget:,} -> {oom['forward_passes']} forward passes, "
               f"{oom['samples_done']}/{oom['samples_total']} samples done, skipped {oom['skipped']}", flush=True)
-    naive_tps = naive(model_dir, work / "data.jsonl", work / "naive", layer_ids, args.naive_samples)
+    naive_tps = naive(model_dir, work / "data.jsonl", work / "naive", layer_ids, args.naive_samples) \
+        if args.naive_samples else float("nan")
     ceiling = min(bare_tps, raw_tps)
     rows = [("bare forward (GPU ceiling)", bare_tps, bf16_bytes), ("capture, nothing copied out", capture_tps, bf16_bytes),
             ("sink: raw write+fsync, one file at a time", disk["serial"] / bf16_bytes, bf16_bytes),

@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
+from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
 from hsextract.recipe import RecipeMismatch
 from tasks.board import Board, run_key
 from tasks.cancel import (Cancel, cancel_signals, cancelled, flow_run_label, hold_if_cancelled,
@@ -49,7 +49,8 @@ PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num
               "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s",
               "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts", "reset_attempts",
               "rerun_depth", "max_reruns", "status_interval_s", "progress_timeout_s", "spool_high_gb",
-              "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s", "preflight", "benchmark")
+              "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s", "preflight", "benchmark",
+              "kernels")
 
 
 def flow_run_name() -> str:
@@ -118,6 +119,7 @@ def extract(
     synthetic_tokens_per_s: Annotated[float, Field(gt=0)] | None = None,
     preflight: Literal["off", "first", "only"] = "off",
     benchmark: bool = False,
+    kernels: Literal[KERNEL_CHOICES] = W.kernels,
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -142,6 +144,9 @@ def extract(
     `preflight`: "only" runs the `preflight` flow (flows/preflight.py: every host checked, the plan in
     numbers; `benchmark`: with a timed run of the worker on each host) with these parameters and launches
     nothing (the deployment `extract/qwen-preflight`); "first" runs it, then the extraction only if it passed.
+
+    `kernels`: "default" (the states transformers computes, to the bit) or "fused" (fused norms and gate/up
+    GEMM: ~21% faster at full depth on an H100, rounding differently; the output's recipe records it).
     """
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()

@@ -135,7 +135,7 @@ def worker_options(p: dict, access: S3Access) -> WorkerOptions:
     what `p` asks that the workers cannot do (ValueError naming the parameter)."""
     options = WorkerOptions(
         model=Path(p["model"]), data=Path(p["data"]), out=p["output"], layers=p["layers"], max_length=p["max_length"],
-        include_last=p.get("include_last", False),
+        include_last=p.get("include_last", False), kernels=p.get("kernels") or "default",
         token_budget=p["token_budget"], device=p["device"], dtype=p["dtype"], out_dtype=p["out_dtype"],
         progress="log", confine=p["confine"], heartbeat_interval=p["heartbeat_interval_s"],
         spool_high_gb=p["spool_high_gb"], spool_low_gb=p["spool_low_gb"], upload_from=p["upload_from"],
@@ -244,7 +244,7 @@ def check_recipe(state: OutputState, options: WorkerOptions, p: dict, where: str
         dtype = recorded.dtype  # device "auto": resolved on each host, where the worker compares it
     out_dtype = dtype if options.out_dtype == "auto" else options.out_dtype
     asked = {"layer_ids": layers, "include_last": bool(options.include_last), "dtype": dtype, "out_dtype": out_dtype,
-             "max_length": options.max_length, "long_samples": options.overlong}
+             "max_length": options.max_length, "long_samples": options.overlong, "kernels": options.kernels}
     differences = [(name, value, getattr(recorded, name)) for name, value in asked.items()
                    if value != getattr(recorded, name)]
     if differences:

@@ -17,7 +17,7 @@ from torch import nn
 
 from .batching import batch_size_buckets
 from .errors import UsageError
-from .kernels import use_fla_conv
+from .kernels import apply_kernels
 from .layers import layers_to_load
 from .preflight import read_model_info
 from .prewarm import SHORTEST, linear_attention_modules, run_sizes
@@ -38,7 +38,7 @@ class LayerCapture:
     """A loaded model plus hooks that write the chosen layers' outputs for real tokens into one buffer."""
 
     def __init__(self, model_dir: Path, layer_ids: list[int], include_last: bool, device: str, dtype: torch.dtype,
-                 random_weights: int | None = None, preload: Preload | None = None):
+                 random_weights: int | None = None, preload: Preload | None = None, kernels: str = "default"):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -89,7 +89,7 @@ class LayerCapture:
                 f"e.g. {missing[:3]} (incomplete download or a missing shard file?)"
             )
         self.backbone = _decoder_backbone(model).to(self.device).eval()
-        self.kernels = use_fla_conv(self.backbone, self.device)
+        self.kernels = apply_kernels(self.backbone, self.device, kernels)
         del model  # drops lm_head (unless tied to the embeddings)
         if preload is not None and preload.taken and self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the model did not take (a vision tower) freed in the preload stream's pool

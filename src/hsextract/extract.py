@@ -20,6 +20,7 @@ from .batching import batch_size_buckets, pack, padded_tokens
 from .capture import LayerCapture, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
 from .errors import Interrupted, UsageError
+from .kernels import fused_available
 from .layers import layers_to_load
 from .liveness import Heartbeat, Progress
 from .options import WorkerOptions
@@ -59,7 +60,9 @@ class ShardRun(Shard):
         opts = self.opts
         device = resolve_device(opts.device)
         dtype = resolve_dtype(opts.dtype, device)
-        self.recipe = recipe_of(opts, layer_ids, str(dtype).removeprefix("torch."))
+        if opts.kernels != "default" and (why := fused_available(torch.device(device))):
+            raise UsageError(f"--kernels {opts.kernels}: {why}")
+        self.recipe = recipe_of(opts, layer_ids, str(dtype).removeprefix("torch."), kernels=opts.kernels)
         pending = self.begin()
         if not pending:
             self.stop_read_ahead()
@@ -98,7 +101,8 @@ class ShardRun(Shard):
         try:
             capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, dtype,
                                         random_weights=opts.random_weights,
-                                        **({"preload": self.preload} if self.preload is not None else {}))
+                                        **({"preload": self.preload} if self.preload is not None else {}),
+                                        **({"kernels": opts.kernels} if opts.kernels != "default" else {}))
         except BaseException:
             if prewarm:
                 prewarm.kill()
@@ -224,18 +228,18 @@ class ShardRun(Shard):
             if opts.warm_after_load or torch.device(device).type != "cuda":
                 return None
             try:
-                return WarmThread.start(opts.model, sizes, opts.token_budget, device, dtype)
+                return WarmThread.start(opts.model, sizes, opts.token_budget, device, dtype, opts.kernels)
             except Exception as exc:  # noqa: BLE001 - the warm-up after the load does it; the load tells of a bad model
                 print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: no kernel tuning beside the load "
                       f"({type(exc).__name__}: {exc}); they are tuned after it", file=sys.stderr, flush=True)
                 return None
-        self.tuned = tuned_marker(opts.model, sizes, device, dtype)
+        self.tuned = tuned_marker(opts.model, sizes, device, dtype, opts.kernels)
         if self.tuned is not None and self.tuned.exists():
             print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels tuned on this host before "
                   f"({self.tuned}): no tuning processes", file=sys.stderr, flush=True)
             self.tuned_before = True
             return None
-        return Prewarm.start(opts.model, sizes, opts.token_budget, device, dtype, procs)
+        return Prewarm.start(opts.model, sizes, opts.token_budget, device, dtype, procs, opts.kernels)
 
     def encoded(self, encoder: ChatEncoder, pending: list[Record | Bad],
                 first: list[Tokenized | Rejected] = ()) -> Iterator[Tokenized]:

@@ -20,6 +20,8 @@ import sys
 import torch
 from torch import nn
 
+from .options import KERNEL_CHOICES
+
 CONV_NAME = "causal_conv1d_fn"
 _SAVED = f"_hsextract_reference_{CONV_NAME}"  # where use_fla_conv keeps what it replaced
 _REFERENCE_PARAMS = ("hidden_states", "weight", "bias", "activation")
@@ -242,4 +244,31 @@ def merged_gate_up(model: nn.Module, device: torch.device) -> list[str]:
             module._hsextract_gate_up = block
         _set_forward(module, _mlp_merged)
     return [f"{len(modules)} MLP: gate+up one GEMM, swiglu -> fla"] if modules else []
+
+
+#: `--kernels`: which decoder kernels the worker runs. "default" computes what transformers computes, to the bit
+#: (fla's convolution where transformers would take its PyTorch reference; fla's delta rule given q/k at their own
+#: head count); "fused" adds the fused norms and gate/up GEMM with swiglu, which round differently (the recipe
+#: records the choice). On an H100 at 64 layers of the 27B shape: default MFU 0.471, fused 0.569, against 0.455
+#: before (benchmarks/RESULTS.md, issue 40).
+KERNELS = KERNEL_CHOICES
+
+
+def apply_kernels(model: nn.Module, device: torch.device, choice: str = "default") -> list[str]:
+    """Switch `model`'s modules to the kernels of `choice` (KERNELS); returns what was switched."""
+    if choice not in KERNELS:
+        raise ValueError(f"kernels {choice!r}: choose one of {KERNELS}")
+    switched = use_fla_conv(model, device) + grouped_delta_rule(model, device)
+    if choice == "fused":
+        switched += fused_norms(model, device) + merged_gate_up(model, device)
+    return switched
+
+
+def fused_available(device: torch.device) -> str | None:
+    """Why `--kernels fused` cannot run on `device` (None: it can)."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, not {device}"
+    if importlib.util.find_spec("fla") is None:
+        return "needs flash-linear-attention (fla) installed"
+    return None
 

@@ -65,13 +65,15 @@ def run_sizes(modules: list[nn.Module], sizes: list[int], token_budget: int, hid
             module(hidden_BTH)
 
 
-def standalone_modules(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[list[nn.Module], int]:
+def standalone_modules(model_dir: Path, device: torch.device, dtype: torch.dtype,
+                       kernels: str = "default") -> tuple[list[nn.Module], int]:
     """One linear-attention module of each kind of `model_dir`'s model, alone on `device` with random weights
-    (the model is laid out on the meta device: no memory, no weights read); and the hidden size."""
+    (the model is laid out on the meta device: no memory, no weights read), on the worker's `kernels`; and the
+    hidden size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .capture import _decoder_backbone
-    from .kernels import use_fla_conv
+    from .kernels import apply_kernels
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):
@@ -82,7 +84,7 @@ def standalone_modules(model_dir: Path, device: torch.device, dtype: torch.dtype
         with torch.no_grad():
             for param in module.parameters():
                 param.normal_(0.0, 0.02)
-        use_fla_conv(module, device)
+        apply_kernels(module, device, kernels)
     return modules, config.get_text_config().hidden_size
 
 
@@ -101,7 +103,8 @@ def default_procs() -> int:
     return max(1, min(MAX_PROCS, cores // 2))
 
 
-def tuned_marker(model_dir: Path, sizes: list[int], device: str, dtype: torch.dtype) -> Path | None:
+def tuned_marker(model_dir: Path, sizes: list[int], device: str, dtype: torch.dtype,
+                 kernels: str = "default") -> Path | None:
     """A file in Triton's cache directory that says this host tuned these sizes for this model's shapes, GPU and
     software (written once every size is tuned; gone with the cache if it is wiped). None without a config."""
     try:
@@ -113,8 +116,8 @@ def tuned_marker(model_dir: Path, sizes: list[int], device: str, dtype: torch.dt
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[name] = importlib.metadata.version(name)
     gpu = torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else str(device)
-    key = json.dumps({"config": config, "sizes": sizes, "dtype": str(dtype), "gpu": gpu, "versions": versions},
-                     sort_keys=True)
+    key = json.dumps({"config": config, "sizes": sizes, "dtype": str(dtype), "gpu": gpu, "versions": versions,
+                      **({"kernels": kernels} if kernels != "default" else {})}, sort_keys=True)
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     return cache / "hsextract-tuned" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
@@ -139,7 +142,7 @@ class Prewarm:
 
     @classmethod
     def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str, dtype: torch.dtype,
-              procs: int) -> "Prewarm":
+              procs: int, kernels: str = "default") -> "Prewarm":
         """Launch up to `procs` children, each tuning its share of `sizes`; they inherit this process's
         environment (CUDA_VISIBLE_DEVICES, caches) and process group (a stop of the worker stops them)."""
         package_root = str(Path(__file__).resolve().parent.parent)
@@ -150,7 +153,7 @@ class Prewarm:
         for i, share in enumerate(shares(sizes, procs)):
             cmd = [sys.executable, "-m", "hsextract.prewarm", "--model", str(model_dir), "--device", str(device),
                    "--dtype", str(dtype).removeprefix("torch."), "--token-budget", str(token_budget),
-                   "--sizes", ",".join(map(str, share))]
+                   "--sizes", ",".join(map(str, share)), "--kernels", kernels]
             first = children[0][1].pid if children else None
             cmd += ["--ready", str(ready)] if first is None else ["--after", str(ready), "--after-pid", str(first)]
             log = tempfile.TemporaryFile()  # what it printed, read only if it fails
@@ -216,9 +219,9 @@ class WarmThread:
 
     @classmethod
     def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str,
-              dtype: torch.dtype) -> "WarmThread":
+              dtype: torch.dtype, kernels: str = "default") -> "WarmThread":
         device = torch.device(device)
-        modules, hidden_size = standalone_modules(model_dir, device, dtype)
+        modules, hidden_size = standalone_modules(model_dir, device, dtype, kernels)
         return cls(modules, sizes, token_budget, hidden_size, device, dtype)
 
     def _run(self, modules, sizes, token_budget, hidden_size, device, dtype) -> None:
@@ -269,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--token-budget", type=int, required=True)
     ap.add_argument("--sizes", required=True, help="batch sizes, comma-separated")
+    ap.add_argument("--kernels", default="default", help="the worker's --kernels")
     ap.add_argument("--ready", type=Path, help="create this file once the first size is done")
     ap.add_argument("--after", type=Path, help="run the sizes once this file exists...")
     ap.add_argument("--after-pid", type=int, help="...or this process has ended")
@@ -276,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    modules, hidden_size = standalone_modules(args.model, device, dtype)
+    modules, hidden_size = standalone_modules(args.model, device, dtype, args.kernels)
     if args.after:
         while not args.after.exists() and (args.after_pid is None or alive(args.after_pid)):
             time.sleep(0.05)

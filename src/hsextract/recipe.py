@@ -113,7 +113,7 @@ def refuse(asked: Recipe, recorded: Recipe, where: str, skip: tuple[str, ...] = 
                              f"A deliberate change of recipe takes a new output")
 
 
-def recipe_of(opts, layer_ids: list[int], dtype: str, kernels: str = "default", transformers: str | None = None,
+def recipe_of(opts, layer_ids: list[int], dtype: str, kernels: str | None = None, transformers: str | None = None,
               versions: dict | None = None) -> Recipe:
     """The recipe of a shard of `opts` (WorkerOptions) capturing `layer_ids` in `dtype` (resolved: bfloat16,
     float32...), read from the model directory's files (UsageError naming a file that cannot be read)."""
@@ -128,6 +128,7 @@ def recipe_of(opts, layer_ids: list[int], dtype: str, kernels: str = "default", 
     else:
         weights = weights_digest(model)
     transformers = transformers if transformers is not None else _installed("transformers")
+    kernels = kernels or getattr(opts, "kernels", "default")
     return Recipe(
         model_config=config_digest(model), weights=weights, tokenizer=tokenizer_digest(model),
         chat_template=chat_template_digest(model), layer_ids=tuple(layer_ids), include_last=bool(opts.include_last),
