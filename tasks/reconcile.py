@@ -26,14 +26,11 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from hsextract.journal import JOURNAL_NAME, line
+from hsextract.journal import INDEX_NAME, JOURNAL_NAME, SUCCESS_NAME, UNSEALED_NAME, line
 from hsextract.records import iter_ids
 from hsextract.sharding import shard_of
 from hsextract.store import Store, scan
 
-INDEX_NAME = "_index.jsonl"
-SUCCESS_NAME = "_SUCCESS"
-UNSEALED_NAME = "_UNSEALED"  # left where a seal was removed: its generation and why (the next seal counts on)
 
 
 @dataclass
@@ -137,12 +134,13 @@ def reconcile_output(store: Store, dataset_ids: Iterable[str], num_shards: int, 
                      retract: bool = False, verify: bool = False) -> Report:
     """Account for every dataset id; write the index and claim `_SUCCESS` when nothing is missing.
 
-    `verify`: compare each batch file's sha256 too, not only its size (local files are read; on S3 the
-    sha256 stored with the object). `retract`: append a `lost` entry to the journal of every missing or
-    corrupt object, so the next run of its shard recomputes those samples instead of trusting the journal."""
+    `verify`: compare each batch file's sha256 too, not only its size (local files are read, the opt-in; on S3
+    always: the sha256 S3 verified at upload and holds with the object, one HEAD each, no object read).
+    `retract`: append a `lost` entry to the journal of every missing or corrupt object, so the next run of its
+    shard recomputes those samples instead of trusting the journal."""
     started = time.monotonic()
     report = Report(num_shards)
-    state = scan(store, checksums=verify)
+    state = scan(store, checksums=verify or store.local_path("") is None)
     report.recipes = state.fingerprints()
     where, copies, lost = _locate(state, report)
     previous = _current_seal(store, state) if seal else None

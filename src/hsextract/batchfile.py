@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .payload import FORMAT_VERSION, Entry, Payload, WrittenFile, layout, write_payload
+from .errors import CorruptOutput
+from .payload import DATA_CHECKSUM, FORMAT_VERSION, Entry, Payload, WrittenFile, layout, write_payload
 from .quant import FP8_ENCODING, SCALE_KEY, dequantize
 
 
@@ -43,6 +44,59 @@ def build_payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str], ha
 def write_batch(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> WrittenFile:
     """Lay out, write to a temp file, fsync, rename into place, fsync the directory."""
     return write_payload(path, build_payload(tensors, metadata))
+
+
+#: how readers check a batch file's bytes (`verify=`): "off" (size only, against the journal), "fast" (the
+#: default: xxh3-128 of the whole file against its journal entry, else of its data against the file's own
+#: record, else sha256; ~30 GB/s), "full" (sha256 against the journal, as S3 holds it)
+VERIFY_MODES = ("off", "fast", "full")
+
+
+def verify_mode(verify: bool | str) -> str:
+    """The mode of a reader's `verify` argument: False -> off, True -> fast, or a mode named."""
+    mode = {False: "off", True: "fast"}.get(verify, verify) if isinstance(verify, bool) else verify
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: expected True, False or one of {VERIFY_MODES}")
+    return mode
+
+
+def check_bytes(data, entry: dict | None, where: str, mode: str, repair: str = "") -> None:
+    """CorruptOutput naming `where` when a batch file's bytes `data` (any buffer: bytes, a mapped file) are not
+    what its journal `entry` recorded (or, read alone, what its own header records of its data). `repair`:
+    what to do about it, for the message."""
+    import hashlib
+
+    import xxhash
+
+    view = memoryview(data).cast("B")
+    size, tail = view.nbytes, f". {repair}" if repair else ""
+    if entry is not None and size != entry["bytes"]:
+        raise CorruptOutput(f"{where}: {size} bytes, but its journal recorded {entry['bytes']} (truncated or "
+                            f"overwritten){tail}")
+    if mode == "off":
+        return
+    if mode == "full" and entry is not None:
+        got, want, what = hashlib.sha256(view).hexdigest(), entry["sha256"], "sha256"
+    elif mode == "fast" and entry is not None and entry.get("xxh3"):
+        got, want, what = xxhash.xxh3_128(view).hexdigest(), entry["xxh3"], "xxh3"
+    else:
+        try:
+            header_len = int.from_bytes(bytes(view[:8]), "little")
+            meta = json.loads(bytes(view[8:8 + header_len])).get("__metadata__") or {}
+        except (ValueError, UnicodeDecodeError):
+            raise CorruptOutput(f"{where}: its safetensors header does not parse (the file is damaged){tail}") \
+                from None
+        if meta.get(DATA_CHECKSUM):
+            got, want = xxhash.xxh3_128(view[8 + header_len:]).hexdigest(), meta[DATA_CHECKSUM]
+            what = "xxh3 of its data (the file's own record)"
+        elif entry is not None:  # written before files carried checksums of their own
+            got, want, what = hashlib.sha256(view).hexdigest(), entry["sha256"], "sha256"
+        else:
+            return  # a file from before checksums, read alone: nothing to check it against
+    if got != want:
+        recorded = "its journal recorded" if what in ("sha256", "xxh3") else "its header recorded"
+        raise CorruptOutput(f"{where}: {what} {got}, but {recorded} {want}: its bytes changed after it was "
+                            f"written{tail}")
 
 
 class BatchFile:
@@ -98,9 +152,13 @@ class LoadedBatch:
         self.path: Path | None = None  # the file `data` maps (`mapped`)
 
     @classmethod
-    def mapped(cls, path: Path) -> "LoadedBatch":
-        """A local file's tensors as views of its pages, mapped copy-on-write (a write stays in this process)."""
-        batch = cls(map_pages(path), str(path), copy=False)
+    def mapped(cls, path: Path, where: str | None = None, check=None) -> "LoadedBatch":
+        """A local file's tensors as views of its pages, mapped copy-on-write (a write stays in this process);
+        `check(buffer)` sees the file's bytes first (`check_bytes`)."""
+        pages = map_pages(path)
+        if check is not None:
+            check(pages.numpy())
+        batch = cls(pages, where or str(path), copy=False)
         batch.path = Path(path)
         return batch
 

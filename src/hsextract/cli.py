@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", required=True, choices=EXPORT_FORMATS)
     export.add_argument("--max-length", type=int, default=None,
                         help="the trainer's max length: samples are cut to it, then judged")
-    export.add_argument("--verify", action="store_true", help="check every file's sha256 against the journal")
+    export.add_argument("--verify", action="store_true",
+                        help="check every file's sha256 against the journal (by default a fast xxh3 checksum)")
+    export.add_argument("--no-verify", action="store_true", help="check each file's size only")
+    export.add_argument("--allow-partial", action="store_true",
+                        help="export an output that is not sealed (export.json says what is missing)")
 
     stage = sub.add_parser("stage", help="stage a source (a dataset or model in S3 or sent over SFTP) into this "
                                          "host's content-addressed cache, verified against its manifest")
@@ -165,11 +169,14 @@ def export_command(args) -> int:
     from .export import export
 
     try:
-        summary = export(args.src, args.dest, args.format, args.max_length, args.verify)
-    except (ValueError, FileNotFoundError) as exc:
+        summary = export(args.src, args.dest, args.format, args.max_length,
+                         "full" if args.verify else not args.no_verify, allow_partial=args.allow_partial)
+    except (ValueError, FileNotFoundError) as exc:  # CorruptOutput too: a file that is not what was written
         print(f"hsextract export: {exc}", file=sys.stderr)
         return USAGE_EXIT
     left = ", ".join(f"{n} {why}" for why, n in summary["skipped"].items()) or "none"
+    if summary.get("partial"):
+        print(f"PARTIAL export (--allow-partial): {summary['partial']}")
     print(f"exported {summary['exported']} of {summary['samples_in_src']} sample(s) to {args.dest} "
           f"({summary['format']}); left out: {left}\n"
           f"trainer layer ids: {summary['trainer_layer_ids']} ({summary['trainer_note']})\n"

@@ -16,6 +16,11 @@ class UsageError(HsExtractError, ValueError):
     """Bad arguments or inputs, detected before any work: the message names what was wrong."""
 
 
+class CorruptOutput(HsExtractError, ValueError):
+    """A batch file (or journal) of an output is not what its journal recorded: truncated, altered or gone. The
+    message names the output, shard and file, what differs, and the repair (`hsextract fsck OUTPUT --repair`)."""
+
+
 class ShardBusy(HsExtractError):
     """Another live process holds the shard's lock: nothing is wrong with the inputs, try again later."""
 

@@ -317,11 +317,13 @@ def _write_json(dest: Path, name: str, data: dict) -> None:
     _save_atomic(lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"), dest, name)
 
 
-def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, verify: bool = False,
-           progress: bool | None = None, client=None) -> dict:
+def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, verify: bool | str = True,
+           progress: bool | None = None, client=None, allow_partial: bool = False) -> dict:
     """Export `src` (an output: path, file://, s3://) to the new local directory `dest` in trainer format
-    `fmt`; `max_length`: samples cut to the trainer's max length first (and judged after the cut). Returns
-    the summary that export.json holds."""
+    `fmt`; `max_length`: samples cut to the trainer's max length first (and judged after the cut). An output
+    must be sealed (`_SUCCESS`: every sample accounted for) unless `allow_partial`, and hold one recipe; each
+    batch file's bytes are checked as it is read (`verify`, as `read_samples`'s). Returns the summary that
+    export.json holds (with the source's recipe, and what is missing from a partial one)."""
     from .reader import describe_output, sample_positions
 
     if fmt not in LAYOUTS:
@@ -332,12 +334,17 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     src = str(src) if str(src).startswith("s3://") else str(Path(str(src).removeprefix("file://")).resolve())
     settings = {"format": fmt, "src": src, "max_length": max_length}
     local = None if src.startswith("s3://") else Path(src)
+    if local is not None and dest.resolve().is_relative_to(local):
+        raise UsageError(f"{dest}: inside the source {src}: an export goes to a directory of its own, outside the "
+                         f"output (a later extraction or reconcile would meet it there)")
     if local is not None and local.is_file():
         from .batchfile import BatchFile
 
-        total = len(BatchFile(local))
+        total, standing = len(BatchFile(local)), {}
     else:
-        total = describe_output(src, client=client)["samples"]
+        described = describe_output(src, client=client)
+        total, standing = described["samples"], _standing(src, described, client, allow_partial)
+    settings.update(standing.pop("settings", {}))
     positions = sample_positions(src, verify, client)
     first = next(positions, None)
     if first is None:
@@ -376,7 +383,7 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     summary = {**settings, "complete": True, "samples_in_src": total, "exported": rows,
                "skipped": dict(skipped), "skipped_examples": _examples(dest), "layer_ids": layout.src.layer_ids,
                "num_model_layers": layout.src.num_model_layers, "hidden_size": layout.src.hidden_size,
-               "model": layout.src.model, **facts, **layout.finish(dest, rows),
+               "model": layout.src.model, **facts, **layout.finish(dest, rows), **standing,
                "index": INDEX, "seconds": round(time.monotonic() - began, 1)}
     if rows + sum(skipped.values()) != total:
         raise RuntimeError(f"{src}: {rows} exported + {sum(skipped.values())} left out != {total} samples in the "
@@ -384,6 +391,44 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     _write_json(dest, SUMMARY, summary)
     shutil.rmtree(dest / SCRATCH)
     return summary
+
+
+def _standing(src: str, described: dict, client, allow_partial: bool) -> dict:
+    """What the source output is, for export.json: its recipe (its fingerprint goes into the settings: an
+    export continued from another source is refused), whether it is complete (sealed by reconcile, or every
+    shard of one shard count done: each worker proved every sample it was given written or skipped), and, for
+    a partial one that `allow_partial` lets through, what is missing; UsageError for a partial one otherwise."""
+    from .journal import SUCCESS_NAME, shard_dir_name
+    from .store import open_store, scan
+
+    store = open_store(src, client)
+    state = scan(store)
+    recipes = state.fingerprints()
+    if len(recipes) > 1:  # the reader refuses too; said here before anything is written
+        raise UsageError(f"{src}: holds {len(recipes)} recipes ({', '.join(recipes)}): not one dataset, not "
+                         f"exported (`hsextract fsck {src}` lists which files are which)")
+    entry = next(iter(state.recipes.values()), {})
+    out = {"settings": {"recipe_fingerprint": entry.get("fingerprint")}, "recipe": entry.get("recipe"),
+           "sealed": SUCCESS_NAME in state.objects}
+    if out["sealed"]:
+        seal = json.loads(store.read(SUCCESS_NAME))
+        out["seal"] = {k: seal.get(k) for k in ("generation", "fingerprint", "done", "expected", "skipped")}
+        return out
+    counts = {int(d.rsplit("-of-", 1)[1]) for d in state.done_shards}
+    whole = [n for n in sorted(counts) if all(shard_dir_name(i, n) in state.done_shards for i in range(n))]
+    if whole:
+        return {**out, "complete_shards": f"all {whole[0]} shard(s) of {whole[0]} done (not sealed by a reconcile)"}
+    shards = sorted({key.split("/")[0] for key in state.objects if key.startswith("shard-")})
+    expected = {int(d.rsplit("-of-", 1)[1]) for d in shards}
+    unfinished = sorted({shard_dir_name(i, n) for n in expected for i in range(n)} - state.done_shards)
+    missing = (f"not complete: no _SUCCESS, and {len(unfinished)} shard(s) not done"
+               + (f" ({', '.join(unfinished[:6])}" + (" ..." if len(unfinished) > 6 else "") + ")" if unfinished
+                  else "") + f"; {described['samples']} sample(s) stored")
+    if not allow_partial:
+        raise UsageError(f"{src}: {missing}. Export a sealed output, or pass --allow-partial to export what is "
+                         f"there and have export.json say what is missing")
+    print(f"hsextract export: warning: {src}: {missing}; exported as it is (--allow-partial)", file=sys.stderr)
+    return {**out, "partial": missing, "shards_not_done": unfinished}
 
 
 def _examples(dest: Path, most: int = 20) -> dict[str, list[str]]:

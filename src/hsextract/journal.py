@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 JOURNAL_NAME = "journal.jsonl"
+#: the output's seal (written by reconcile when every sample is accounted for), the index it vouches for, and
+#: the note left where a seal was removed (the integrity contract: a seal is true or absent)
+SUCCESS_NAME, INDEX_NAME, UNSEALED_NAME = "_SUCCESS", "_index.jsonl", "_UNSEALED"
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # what a journal may name: no path, no dot-file
 
 

@@ -214,7 +214,8 @@ class Shard:
         """Copy a prepared file into the page cache under its temp name (the disk catches up in `seal_file`);
         or, with --upload-from memory and room in its budget, hand its bytes to the uploader (None)."""
         if self.uploader and self.uploader.reserve_memory(prep.payload.size):
-            entry = self.file_entry(prep, prep.payload.size, prep.payload.sha256) | {"from_memory": True}
+            entry = self.file_entry(prep, prep.payload.size, prep.payload.sha256, prep.payload.xxh3) | {
+                "from_memory": True}
             self.uploader.submit_memory(entry, prep.payload.tobytes(), self.record_file)
             return None
         if self.uploader:  # bounded local disk: over the high-water mark, wait for uploads to catch up
@@ -226,17 +227,17 @@ class Shard:
         """Make a written file durable and put it in place, then journal it (the journal names only files
         that are durable) and queue its upload."""
         written = unsealed.seal()
-        entry = self.file_entry(prep, written.bytes, written.sha256)
+        entry = self.file_entry(prep, written.bytes, written.sha256, written.xxh3)
         self.record_file(entry)
         self.progress.mark("first_file")
         if self.uploader:
             self.uploader.submit(entry, reserved=True)
 
     @staticmethod
-    def file_entry(prep: "Prepared", size: int, sha256: str) -> dict:
+    def file_entry(prep: "Prepared", size: int, sha256: str, xxh3: str | None = None) -> dict:
         """The journal entry of a written (or stored) file."""
         return {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
-                "lengths": prep.lengths, "bytes": size, "sha256": sha256}
+                "lengths": prep.lengths, "bytes": size, "sha256": sha256, **({"xxh3": xxh3} if xxh3 else {})}
 
     def record_file(self, entry: dict) -> None:
         """Journal a file that is durable (on disk, or verified in the store) and count it."""

@@ -42,7 +42,7 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
 
     def __init__(self, path_or_uri: str | Path, keys: str = "hsextract", shuffle: bool = False, seed: int = 0,
                  prefetch: int = 2, max_length: int | None = None, rank: int | None = None,
-                 world_size: int | None = None, verify: bool = False):
+                 world_size: int | None = None, verify: bool | str = True):
         if keys not in KEYS:
             raise UsageError(f"keys={keys!r}: expected one of {', '.join(KEYS)}")
         self.uri, self.keys, self.shuffle, self.seed = str(path_or_uri), keys, shuffle, seed

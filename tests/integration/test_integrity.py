@@ -142,3 +142,70 @@ def test_a_stale_seal_is_removed_first_and_a_repaired_output_sealed_anew(tiny_mo
     assert all((out / key).is_file() for key in named) and f"shard-00001-of-00002/{victim.name}" not in named
     again = reconcile_output(LocalStore(out), dataset_ids(data), 2)
     assert again.already_sealed and again.generation == 2 and not again.sealed
+
+
+def flip(path: Path, offset_from_end: int = 4096, count: int = 16) -> None:
+    """`count` bytes inside the file's data inverted in place (its size unchanged)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) - offset_from_end
+    data[at:at + count] = bytes(b ^ 0xFF for b in data[at:at + count])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_or_truncated_bytes_are_refused_by_every_default_reader(tiny_model, data, tmp_path):
+    import subprocess
+
+    from hsextract.errors import CorruptOutput
+    from hsextract.reader import HiddenStatesDataset
+    from hsextract.stream import HiddenStatesStream
+
+    out = tmp_path / "out"
+    assert run_extract(tiny_model, data, out, 0, 1, "--token-budget", "256").returncode == 0
+    victim = sorted(out.glob("shard-*/batch-*.safetensors"))[1]
+    good = victim.read_bytes()
+    for damage in ("flipped", "truncated"):
+        victim.write_bytes(good)
+        flip(victim) if damage == "flipped" else victim.write_bytes(good[:-100])
+        readers = {"read_samples": lambda: list(hsextract.read_samples(out)),
+                   "HiddenStatesStream": lambda: list(HiddenStatesStream(out)),
+                   "HiddenStatesDataset": lambda: [d[i] for d in [HiddenStatesDataset(out)] for i in range(len(d))]}
+        for name, read in readers.items():
+            with pytest.raises(CorruptOutput) as caught:
+                read()
+            text = str(caught.value)
+            assert victim.name in text and "shard-00000-of-00001" in text and "fsck" in text, (name, text)
+            assert ("truncated" in text) if damage == "truncated" else ("xxh3" in text and "changed" in text)
+        exported = subprocess.run([sys.executable, "-m", "hsextract", "export", str(out), str(tmp_path / damage),
+                                   "--format", "specforge-dflash"], capture_output=True, text=True, timeout=300)
+        assert exported.returncode == 2 and victim.name in exported.stderr, exported.stderr
+        # a batch file read alone checks its data against its own header
+        if damage == "flipped":
+            with pytest.raises(CorruptOutput, match="its header recorded"):
+                list(hsextract.read_samples(victim))
+    victim.write_bytes(good)
+    assert len(list(hsextract.read_samples(out))) == len(list(hsextract.read_samples(out, verify=False)))
+
+
+def test_export_refuses_a_partial_output_or_a_destination_inside_it(tiny_model, data, tmp_path):
+    import subprocess
+
+    out = tmp_path / "out"
+    assert run_extract(tiny_model, data, out, 0, 2).returncode == 0  # shard 1 of 2 never ran
+
+    def export(dest, *extra):
+        return subprocess.run([sys.executable, "-m", "hsextract", "export", str(out), str(dest), "--format",
+                               "specforge-dflash", *extra], capture_output=True, text=True, timeout=300)
+
+    refused = export(tmp_path / "e")
+    assert refused.returncode == 2 and "shard-00001-of-00002" in refused.stderr and "--allow-partial" in refused.stderr
+    assert not (tmp_path / "e").exists()
+    inside = export(out / "e", "--allow-partial")
+    assert inside.returncode == 2 and "inside the source" in inside.stderr and not (out / "e").exists()
+    partial = export(tmp_path / "p", "--allow-partial")
+    assert partial.returncode == 0 and "PARTIAL" in partial.stdout, partial.stderr
+    summary = json.loads((tmp_path / "p" / "export.json").read_text())
+    assert summary["shards_not_done"] == ["shard-00001-of-00002"] and summary["recipe"]["layer_ids"] == [1, 3, 6]
+    assert summary["recipe_fingerprint"] == summary["recipe"]["fingerprint"]
+    assert run_extract(tiny_model, data, out, 1, 2).returncode == 0  # complete: every shard done
+    whole = export(tmp_path / "w")
+    assert whole.returncode == 0 and "PARTIAL" not in whole.stdout, whole.stderr

@@ -26,11 +26,19 @@ def every_dtype() -> dict[str, torch.Tensor]:
 
 
 def test_payload_is_byte_identical_to_safetensors_save():
+    import json
+
+    import xxhash
+
     tensors = every_dtype()
-    ref = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format_version": "1"})
     payload = build_payload(tensors, {})
+    metadata = json.loads(bytes(payload.parts[0][8:]))["__metadata__"]
+    assert set(metadata) == {"format_version", "data_xxh3"}
+    ref = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
     assert payload.tobytes() == ref and payload.size == len(ref)
-    assert payload.sha256 == hashlib.sha256(ref).hexdigest()
+    assert payload.sha256 == hashlib.sha256(ref).hexdigest() and payload.xxh3 == xxhash.xxh3_128(ref).hexdigest()
+    data = ref[8 + int.from_bytes(ref[:8], "little"):]  # the file carries its data's checksum: a flipped byte shows
+    assert metadata["data_xxh3"] == xxhash.xxh3_128(data).hexdigest()
 
 
 def test_written_file_reads_back_with_safetensors(tmp_path):
@@ -40,7 +48,8 @@ def test_written_file_reads_back_with_safetensors(tmp_path):
     data = (tmp_path / "b.safetensors").read_bytes()
     assert written.bytes == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
     with safe_open(str(tmp_path / "b.safetensors"), framework="pt") as handle:
-        assert handle.metadata() == {"format_version": "1", **meta}
+        found = handle.metadata()
+        assert found == {"format_version": "1", **meta, "data_xxh3": found["data_xxh3"]}
         assert set(handle.keys()) == set(tensors)
         for name, tensor in tensors.items():
             assert torch.equal(handle.get_tensor(name), tensor), name
