@@ -27,7 +27,7 @@ from tasks.commands import RUN_NAME_PATTERN
 from tasks.deploy import deploy_hosts
 from tasks.failures import Failure
 from tasks.orphans import close_orphans
-from tasks.plan import ROOT, plan_run, run_name_of, worker_version
+from tasks.plan import ROOT, RunIncomplete, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
 from tasks.rerun import completed, failed, incomplete, related_resources, unreconciled
 from tasks.monitor import HostPool
@@ -232,5 +232,12 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
                                      artifact_key=f"reconcile-{run_key(plan.run)}")
     if error := unreconciled(plan, summary["reconcile"], params, log):
         return failed(plan, board, error, "failed: samples missing")
+    checked = summary["reconcile"]
+    if not checked["complete"]:  # nothing missing, and still not one dataset: no re-run can help
+        why = ("the dataset has no samples: nothing was extracted, nothing sealed" if checked["expected"] == 0 else
+               f"the output holds {len(checked['recipes'])} recipes ({', '.join(checked['recipes'])}): not one "
+               f"dataset, not sealed; `hsextract fsck {params['output']}` lists which files are which")
+        log.error("run %s: %s", plan.run, why)
+        return failed(plan, board, RunIncomplete(f"run {plan.run}: {why}"), "failed: not one dataset")
     return completed(plan, board, summary, f"{summary['reconcile']['done']} sample(s) stored and reconciled",
                      {"reconcile": f"artifact `reconcile-{run_key(plan.run)}`"})

@@ -84,8 +84,9 @@ class Report:
 
     @property
     def complete(self) -> bool:
-        """Nothing missing and one recipe (the run can be sealed)."""
-        return self.missing == 0 and not self.mixed
+        """Nothing missing, one recipe, and something to account for (the run can be sealed: an empty dataset
+        is no success)."""
+        return self.missing == 0 and not self.mixed and self.expected > 0
 
     @property
     def shards_to_rerun(self) -> list[int]:

@@ -113,6 +113,10 @@ class WorkerOptions:
     confine: str = field(default="auto", metadata=option(
         "restrict this process's writes to its own shard's directories with Linux Landlock: auto (when the "
         "kernel has it, default), on (fail without it), off", choices=CONFINE_MODES))
+    max_skipped: float = field(default=0.01, metadata=option(
+        "the shard fails (exit 2, not retried) when more than this share of its samples is skipped, or when it "
+        "stores none of them: its reasons are named with a count and an example line each (1 allows any)",
+        metavar="FRACTION"))
     retry_skipped: str = field(default="", metadata=option(
         "comma-separated skip reasons to try again (e.g. oom,nonfinite_states)", metavar="REASONS"))
     aws_credentials_file: Path | None = field(default=None, metadata=option(
@@ -236,6 +240,8 @@ class WorkerOptions:
                              f"(got {self.spool_low_gb:g} and {self.spool_high_gb:g})")
         if self.upload_from == "memory" and self.upload is None:
             raise UsageError("--upload-from memory: only with --out s3://bucket/prefix (a local output is the disk)")
+        if not 0 <= self.max_skipped <= 1:
+            raise UsageError(f"--max-skipped {self.max_skipped:g}: a share of the shard's samples, from 0 to 1")
         if self.hash_threads < 0:
             raise UsageError(f"--hash-threads {self.hash_threads}: must be 0 (auto) or more")
         if self.synthetic is not None and not self.synthetic > 0:

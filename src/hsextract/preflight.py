@@ -78,6 +78,8 @@ def count_tokens(opts: WorkerOptions, sample: int) -> dict:
     samples, rows = sample_rows(opts.data, sample)
     picks = [parse_line(raw, n) if isinstance(raw, bytes) else parse_obj(raw, n) for n, raw in rows]
     usable = [r for r in picks if not isinstance(r, Bad)]
+    example = next((f"{f'line {r.line}' if r.line else 'a sampled record'}: {r.reason}: {r.detail}" for r in picks
+                    if isinstance(r, Bad)), None)
     if opts.synthetic is not None:
         from .synthetic import estimate_tokens
 
@@ -95,7 +97,8 @@ def count_tokens(opts: WorkerOptions, sample: int) -> dict:
     mean = sum(lengths) / len(picks) if picks else 0.0  # a malformed or rejected sample adds no tokens
     return {"samples": samples, "sampled": len(picks), "malformed_sampled": len(picks) - len(usable),
             "mean_tokens": round(mean, 1), "max_tokens": max(lengths, default=0), "tokens": round(mean * samples),
-            "exact": len(picks) == samples, "counted": how}
+            "exact": len(picks) == samples, "counted": how,
+            **({"malformed_example": example[:160]} if example else {})}
 
 
 def probe_output(opts: WorkerOptions) -> dict:
@@ -189,5 +192,10 @@ def preflight(opts: WorkerOptions, probe: bool = False, sample_tokens: int = 0) 
     if probe:
         found["output"] = probe_output(opts)
     if sample_tokens:
-        found["dataset"] = count_tokens(opts, sample_tokens)
+        found["dataset"] = counted = count_tokens(opts, sample_tokens)
+        bad, seen = counted["malformed_sampled"], counted["sampled"]
+        if seen and (bad == seen or bad > opts.max_skipped * seen):
+            raise UsageError(f"--data {str(opts.data)!r}: {bad} of the {seen} record(s) sampled are malformed "
+                             f"(over --max-skipped {opts.max_skipped:g}; e.g. {counted.get('malformed_example')}): "
+                             f"a run would skip them")
     return found

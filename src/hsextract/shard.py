@@ -263,12 +263,38 @@ class Shard:
         if missing:
             raise ShardIncomplete(f"shard {self.opts.shard}/{self.opts.num_shards}: {len(missing)} sample(s) "
                                   f"neither written nor skipped, e.g. {sorted(missing)[:5]}")
+        self.check_skipped(state)
         summary = self.summary()
         self.journal.append({"kind": "done", "summary": summary}, durable=True)
         write_json_atomic(self.opts.shard_dir / "summary.json", summary)
         if self.uploader:
             self.uploader.mirror_journal()
         return summary
+
+    def check_skipped(self, state) -> None:
+        """UsageError (exit 2) when this shard stored none of its samples, or skipped more than --max-skipped of
+        them (every run's skips counted): the data or the options are wrong, and a run that stores nothing is
+        no success. Names the top reasons with a count and an example line each."""
+        assigned = self.assigned
+        skipped = {i: state.skipped[i] for i in assigned if i in state.skipped}
+        if not assigned or (len(skipped) <= self.opts.max_skipped * len(assigned) and len(skipped) < len(assigned)):
+            return
+        examples: dict[str, dict] = {}
+        for entry in read_entries(self.opts.shard_dir / JOURNAL_NAME):
+            if entry.get("kind") == "skip" and entry.get("id") in skipped:
+                examples.setdefault(entry["reason"], entry)
+        counts = Counter(skipped.values()).most_common(3)
+        def example(reason: str) -> str:
+            entry = examples.get(reason, {})
+            where = f"line {entry['line']}" if entry.get("line") is not None else f"sample {entry.get('id', '?')}"
+            return f"e.g. {where}: {str(entry.get('detail', ''))[:80]}"
+
+        reasons = "; ".join(f"{reason} x{n} ({example(reason)})" for reason, n in counts)
+        what = (f"stored none of its {len(assigned)} sample(s)" if len(skipped) == len(assigned) else
+                f"skipped {len(skipped)} of its {len(assigned)} sample(s) ({len(skipped) / len(assigned):.1%}, over "
+                f"--max-skipped {self.opts.max_skipped:g})")
+        raise UsageError(f"shard {self.opts.shard}/{self.opts.num_shards} {what}: {reasons}. Fix the data or the "
+                         f"options, then run again with --retry-skipped {','.join(r for r, _ in counts)}")
 
     def summary(self) -> dict:
         """What the shard did: samples, skips by reason, tokens, files, bytes, speeds, the pipeline's timings."""

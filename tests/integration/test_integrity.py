@@ -209,3 +209,55 @@ def test_export_refuses_a_partial_output_or_a_destination_inside_it(tiny_model, 
     assert run_extract(tiny_model, data, out, 1, 2).returncode == 0  # complete: every shard done
     whole = export(tmp_path / "w")
     assert whole.returncode == 0 and "PARTIAL" not in whole.stdout, whole.stderr
+
+
+def test_a_run_that_stores_nothing_or_skips_too_much_fails_naming_why(tiny_model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from harness.worker import dataset_ids as ids_of  # noqa: F401 - (the same helper module)
+
+    rows = [tiny.make_conversation(__import__("random").Random(i), f"s{i}", 1, 8) for i in range(12)]
+    # a Parquet file whose `messages` column holds JSON strings, not lists: every record is malformed
+    table = pa.table({"id": [r["id"] for r in rows], "messages": [json.dumps(r["messages"]) for r in rows]})
+    pq.write_table(table, tmp_path / "strings.parquet")
+    out = tmp_path / "out"
+    failed = run_extract(tiny_model, tmp_path / "strings.parquet", out, 0, 1)
+    assert failed.returncode == 2, failed.stderr
+    assert "stored none of its 12 sample(s): invalid_record x12 (e.g. line 1:" in failed.stderr
+    assert "--retry-skipped invalid_record" in failed.stderr
+    assert not any(e["kind"] == "done" for e in read_entries(out / "shard-00000-of-00001" / "journal.jsonl"))
+    # over the threshold: 2 of 12 records broken is 16.7% > 1%; --max-skipped 0.2 lets it through
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in rows[:10]) + '{"id": "x", "messages": "no"}\n{oops\n')
+    over = run_extract(tiny_model, mixed, tmp_path / "o2", 0, 1)
+    assert over.returncode == 2 and "skipped 2 of its 12 sample(s) (16.7%, over --max-skipped 0.01)" in over.stderr and "line 12" in over.stderr
+    assert run_extract(tiny_model, mixed, tmp_path / "o3", 0, 1, "--max-skipped", "0.2").returncode == 0
+
+
+def test_the_preflight_check_fails_on_a_dataset_it_would_skip(tiny_model, tmp_path):
+    import subprocess
+
+    rows = [tiny.make_conversation(__import__("random").Random(i), f"s{i}", 1, 8) for i in range(10)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"id": r["id"], "messages": json.dumps(r["messages"])}) + "\n" for r in rows))
+    check = subprocess.run([sys.executable, "-m", "hsextract", "check", "--model", str(tiny_model), "--data", str(bad),
+                            "--out", str(tmp_path / "o"), "--layers", "1", "--shard", "0", "--num-shards", "1",
+                            "--sample-tokens", "10"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 2 and "10 of the 10 record(s) sampled are malformed" in check.stderr, check.stderr
+    assert "must be a list" in check.stderr
+
+
+def test_the_flow_fails_an_empty_dataset(prefect_server, tiny_model, tmp_path):
+    from flows.extract import extract
+    from harness.inventory import write_inventory
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0],
+                                                       "workdir": str(tmp_path / "w"), "python": sys.executable}])
+    state = extract(return_state=True, model=str(tiny_model), data=str(empty), output=f"file://{tmp_path / 'out'}",
+                    hosts=str(hosts), layers="1,3", heartbeat_interval_s=0.5, poll_interval_s=0.3,
+                    launch_timeout_s=30, stall_timeout_s=20, host_timeout_s=10)
+    assert state.is_failed() and "the dataset has no samples" in state.message, state.message
+    assert not (tmp_path / "out" / "_SUCCESS").exists()

@@ -52,7 +52,7 @@ def test_every_skip_reason_recorded(tiny_model, tmp_path, window):
     ]
     data = write_lines(tmp_path / "data.jsonl", lines)
     out = tmp_path / "out"
-    proc = run_extract(tiny_model, data, out, 0, 1, "--max-length", "128", "--overlong", "skip",
+    proc = run_extract(tiny_model, data, out, 0, 1, "--max-length", "128", "--overlong", "skip", "--max-skipped", "1",
                        "--sort-window", window)
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
@@ -68,7 +68,8 @@ def test_every_skip_reason_recorded(tiny_model, tmp_path, window):
     assert "wizard" in skips[("badrole", "invalid_record")]["detail"]
     assert sorted(s["id"] for s in hsextract.read_samples(out)) == ["g1", "g2"]
     # a re-run neither re-records the skips nor recomputes anything
-    again = summary_of(run_extract(tiny_model, data, out, 0, 1, "--max-length", "128", "--overlong", "skip"))
+    again = summary_of(run_extract(tiny_model, data, out, 0, 1, "--max-length", "128", "--overlong", "skip",
+                                   "--max-skipped", "1"))
     assert again["skipped"] == {} and again["forward_passes"] == 0 and again["samples_done"] == 10
 
 
@@ -101,7 +102,7 @@ def test_nonfinite_states_skipped_rest_of_batch_kept(tiny_model, tmp_path):
     lines.insert(2, json.dumps({"id": "nan", "input_ids": [11, NAN_TOKEN, 12, 13], "loss_mask": [1, 1, 1, 1]}))
     data = write_lines(tmp_path / "data.jsonl", lines)
     out = tmp_path / "out"
-    proc = run_extract(model_dir, data, out, 0, 1, "--token-budget", "4096")
+    proc = run_extract(model_dir, data, out, 0, 1, "--token-budget", "4096", "--max-skipped", "1")
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["skipped"] == {"nonfinite_states": 1} and summary["files"] == 1
@@ -116,7 +117,8 @@ def test_oom_splits_batch_and_skips_only_what_cannot_fit(tiny_model, tmp_path):
     lines.append(json.dumps({"id": "huge", "input_ids": list(range(10, 210)), "loss_mask": [1] * 200}))
     data = write_lines(tmp_path / "data.jsonl", lines)
     out = tmp_path / "out"
-    proc = run_extract(tiny_model, data, out, 0, 1, "--token-budget", "4096", module="harness.faulty",
+    proc = run_extract(tiny_model, data, out, 0, 1, "--token-budget", "4096", "--max-skipped", "1",
+                       module="harness.faulty",
                        env={faulty.OOM_ABOVE_TOKENS: "100"})
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
@@ -126,7 +128,7 @@ def test_oom_splits_batch_and_skips_only_what_cannot_fit(tiny_model, tmp_path):
     sizes = [len(BatchFile(p)) for p in out.glob("shard-*/batch-*.safetensors")]
     assert sum(sizes) == 8 and max(sizes) == 2, f"halved until each batch fits 100 padded tokens: {sizes}"
     # skips are final unless asked: a plain re-run does nothing, --retry-skipped oom writes the sample
-    assert summary_of(run_extract(tiny_model, data, out, 0, 1))["forward_passes"] == 0
+    assert summary_of(run_extract(tiny_model, data, out, 0, 1, "--max-skipped", "1"))["forward_passes"] == 0
     retry = summary_of(run_extract(tiny_model, data, out, 0, 1, "--retry-skipped", "oom"))
     assert retry["samples_written"] == 1 and retry["skipped"] == {}
     assert sorted(s["id"] for s in hsextract.read_samples(out)) == ["huge"] + [f"s{i}" for i in range(8)]
