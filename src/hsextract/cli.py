@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("out", help="output directory, file:// or s3:// URI")
     inspect.add_argument("--verify", action="store_true", help="check every file's sha256 against the journal")
 
+    fsck = sub.add_parser("fsck", help="list every problem of an output; --repair mends them, losing no good sample")
+    fsck.add_argument("out", help="output directory, file:// or s3:// URI")
+    fsck.add_argument("--repair", action="store_true",
+                      help="cut bad journal lines, retract missing or corrupt files (their samples are redone), "
+                           "remove stray files and a seal that does not hold")
+    fsck.add_argument("--verify", action="store_true", help="also check every batch file's checksum (reads them)")
     export = sub.add_parser("export", help="write an output in a drafter trainer's offline layout "
                                            "(SpecForge DFlash / EAGLE-3, speculators)")
     export.add_argument("src", help="extraction output: directory, file:// or s3:// URI")
@@ -184,6 +190,29 @@ def export_command(args) -> int:
     return 0
 
 
+def fsck_command(args) -> int:
+    """`hsextract fsck`: every problem, one a line, then what was repaired; exit 0 clean, 1 problems (left), 2 the
+    output cannot be read."""
+    from .fsck import fsck
+
+    try:
+        found = fsck(args.out, repair=args.repair, verify=args.verify)
+    except (OSError, ValueError) as exc:
+        print(f"hsextract fsck: {args.out}: cannot read it: {exc}", file=sys.stderr)
+        return USAGE_EXIT
+    for problem in found["problems"]:
+        print(f"PROBLEM {problem}")
+    for done in found["repaired"]:
+        print(f"REPAIRED {done}")
+    left = found["remaining"] if args.repair else found["problems"]
+    print(f"fsck {found['out']}: {found['shards']} shard journal(s), {found['files']} journaled file(s), "
+          f"{len(found['recipes']) or 'no'} recipe(s): " + ("clean" if not found["problems"] else
+          f"{len(found['problems'])} problem(s)" + (f", {len(left)} left" if args.repair else
+                                                     " (--repair mends them)"))
+          + ("; run reconcile (the flow) to seal it again" if args.repair and found["repaired"] else ""))
+    return 1 if left else 0
+
+
 def stage_command(args) -> int:
     """`hsextract stage`: prints `STAGE {json}`; exit 2 naming the file when a source is not what it should be,
     exit 1 when the store did not answer (after boto3's own retries)."""
@@ -256,6 +285,8 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
         return 0
     if args.command == "export":
         return export_command(args)
+    if args.command == "fsck":
+        return fsck_command(args)
     if args.command == "stage":
         return stage_command(args)
     if args.command == "inspect":

@@ -261,3 +261,80 @@ def test_the_flow_fails_an_empty_dataset(prefect_server, tiny_model, tmp_path):
                     launch_timeout_s=30, stall_timeout_s=20, host_timeout_s=10)
     assert state.is_failed() and "the dataset has no samples" in state.message, state.message
     assert not (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def fsck_cli(out, *extra):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "hsextract", "fsck", str(out), *extra], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_fsck_lists_every_problem_and_repair_loses_no_good_sample(tiny_model, data, tmp_path):
+    from collections import Counter
+
+    from hsextract.store import LocalStore
+    from tasks.reconcile import SUCCESS_NAME, dataset_ids, reconcile_output
+
+    out = tmp_path / "out"
+    for shard in range(2):
+        assert run_extract(tiny_model, data, out, shard, 2, "--token-budget", "256").returncode == 0
+    assert reconcile_output(LocalStore(out), dataset_ids(data), 2).sealed
+    clean = fsck_cli(out, "--verify")
+    assert clean.returncode == 0 and "clean" in clean.stdout, clean.stdout + clean.stderr
+    s0, s1 = out / "shard-00000-of-00002", out / "shard-00001-of-00002"
+    files0, files1 = sorted(s0.glob("batch-*.safetensors")), sorted(s1.glob("batch-*.safetensors"))
+    files0[0].unlink()                                            # missing
+    flip(files0[1])                                               # corrupt, same size (found by --verify)
+    files1[0].write_bytes(files1[0].read_bytes()[:500])           # truncated
+    (s1 / "batch-000099.safetensors").write_bytes(b"never journaled")
+    (s1 / ".batch-000100.safetensors.tmp").write_bytes(b"half")
+    journal = s1 / "journal.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    torn_at = next(i for i, text in enumerate(lines) if '"kind":"file"' in text and files1[0].name not in text)
+    torn_ids = json.loads(lines[torn_at])["ids"]
+    lines[torn_at] = lines[torn_at][:40] + "\n"                   # a torn line in the middle
+    journal.write_text("".join(lines))
+    refused = run_extract(tiny_model, data, out, 1, 2, "--token-budget", "256")
+    assert refused.returncode != 0 and "corrupt journal line" in refused.stderr  # the shard is blocked, named
+
+    found = fsck_cli(out, "--verify")
+    assert found.returncode == 1, found.stdout + found.stderr
+    said = found.stdout
+    for expected in (f"{files0[0].name}: journaled, but not there", f"{files0[1].name}: xxh3",
+                     f"{files1[0].name}: 500 bytes", "batch-000099.safetensors: a batch file no journal names",
+                     ".batch-000100.safetensors.tmp: a temp file", f"journal.jsonl:{torn_at + 1}: line does not parse",
+                     f"{SUCCESS_NAME}: the output is sealed, and the seal does not hold"):
+        assert expected in said, (expected, said)
+    repaired = fsck_cli(out, "--repair", "--verify")
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    assert "REPAIRED" in repaired.stdout and not (out / SUCCESS_NAME).exists()
+    assert (s1 / "journal.jsonl").read_text().count("\n") == len(lines)  # the torn line cut, one `lost` added
+    assert list(s1.glob("journal.jsonl.fsck-*")) and not (s1 / "batch-000099.safetensors").exists()
+    for shard in range(2):  # the next runs redo exactly what was lost
+        rerun = run_extract(tiny_model, data, out, shard, 2, "--token-budget", "256")
+        assert rerun.returncode == 0, rerun.stderr
+        assert summary_of(rerun)["samples_written"] > 0
+    assert set(torn_ids) <= {s["id"] for s in hsextract.read_samples(out)}
+    assert fsck_cli(out, "--verify").returncode == 0
+    report = reconcile_output(LocalStore(out), dataset_ids(data), 2)
+    assert report.sealed and report.duplicated == 0
+    assert Counter(s["id"] for s in hsextract.read_samples(out)) == Counter(
+        {i: 1 for i in set(json.loads(x)["id"] for x in data.read_text().splitlines())} )
+
+
+def test_fsck_names_mixed_recipes_and_an_unreadable_output(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    assert run_extract(tiny_model, data, out, 0, 2, layers="1,3").returncode == 0
+    other = tmp_path / "other"
+    assert run_extract(tiny_model, data, other, 1, 2, layers="1,2").returncode == 0
+    shutil.copytree(other / "shard-00001-of-00002", out / "shard-00001-of-00002")  # a copy made by hand
+    found = fsck_cli(out)
+    assert found.returncode == 1 and "mixed recipes" in found.stdout and "shard-00001-of-00002" in found.stdout
+    assert fsck_cli(out, "--repair").returncode == 1  # not repaired: which recipe to keep is a person's call
+    from hsextract.errors import CorruptOutput
+
+    with pytest.raises(CorruptOutput, match="holds 2 recipes"):
+        next(hsextract.read_samples(out))
+    missing = fsck_cli(tmp_path / "nothing")
+    assert missing.returncode == 2 and "cannot read it" in missing.stderr
