@@ -19,7 +19,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
-from hsextract.recipe import RecipeMismatch
 from tasks.board import Board, run_key
 from tasks.cancel import (Cancel, cancel_signals, cancelled, flow_run_label, hold_if_cancelled,
                           hold_stopped_shards, stop_on_cancellation)
@@ -165,11 +164,11 @@ def extract(
     try:
         try:
             plan = plan_run(params, log)
-        except RecipeMismatch as exc:  # the output was made with another recipe: nothing to retry, nothing ran
+        except ValueError as exc:  # refused before anything ran (another recipe, bad inventory, no credentials)
             from prefect.states import Failed
 
             log.error("run %s: %s", run_name_of(params), exc)
-            return Failed(message=str(exc))
+            return Failed(message=str(exc), data=exc)
         tag_flow_run(plan.run)
         if (held := hold_if_cancelled(plan, params, log)) is not None:
             return held

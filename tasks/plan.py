@@ -212,6 +212,10 @@ def read_output(store: Store, run: str, log) -> OutputState:
     except NoSuchBucket as exc:
         raise ValueError(f"output={store.uri!r}: {exc}") from None
     except Exception as exc:
+        if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):  # botocore's: no keys here
+            raise ValueError(f"output={store.uri!r}: the orchestrator has no AWS credentials for it ({exc}): name "
+                             f"a prefect-aws AwsCredentials block in aws_credentials (it may carry an endpoint_url), "
+                             f"or give this process a credential chain (AWS_ACCESS_KEY_ID..., ~/.aws)") from None
         log.warning("run %s: cannot read the journals in %s from here (%s): every shard is launched, and "
                     "each skips what its journal already holds", run, store.uri, exc)
         return OutputState()

@@ -141,6 +141,18 @@ def _extract(opts: WorkerOptions, capture) -> int:
     except ValueError as exc:
         print(f"hsextract: {exc}", file=sys.stderr)
         return USAGE_EXIT
+    from .errors import BUSY_EXIT, ShardBusy
+    from .shard import take_lock
+
+    try:  # before anything of this worker's is written: a second worker of a live shard touches none of its files
+        take_lock(opts)
+    except ShardBusy as exc:
+        print(f"hsextract: {exc}: not started (exit {BUSY_EXIT})", file=sys.stderr)
+        return BUSY_EXIT
+    except OSError as exc:
+        print(f"hsextract: --out {str(opts.out_dir)!r}: cannot lock {opts.shard_dir} ({exc.strerror or exc})",
+              file=sys.stderr)
+        return USAGE_EXIT
     heartbeat = Heartbeat(opts.status_path, Progress(opts.shard, opts.num_shards, __version__), opts.heartbeat_interval)
     try:
         opts.status_path.mkdir(parents=True, exist_ok=True)

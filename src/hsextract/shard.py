@@ -60,16 +60,9 @@ class Shard:
         return layer_ids
 
     def lock(self) -> None:
-        """Take the shard dir's lock (a second writer of the shard is refused, naming the holder's pid)."""
-        self._lock_fd = os.open(self.opts.shard_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o640)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "another process"
-            raise ShardBusy(f"shard {self.opts.shard}/{self.opts.num_shards}: {self.opts.shard_dir} is "
-                             f"already being written by pid {holder}") from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
+        """Take the shard dir's lock (a second writer of the shard is refused, naming the holder's pid), unless
+        this process took it already (`take_lock`, before its heartbeat started)."""
+        self._lock_fd = take_lock(self.opts)
 
     def clean_shard_dir(self) -> None:
         """Drop temp files and batch files the journal does not name (a kill between rename and journal)."""
@@ -325,6 +318,31 @@ class Shard:
     def summary_extra(self) -> dict:
         """What a kind of run adds to the summary, after `padding_waste` (the model's load, the GPU's memory)."""
         return {}
+
+
+_HELD: dict[str, int] = {}  # shard dir -> the lock's fd, taken by this process
+
+
+def take_lock(opts: WorkerOptions) -> int:
+    """The shard dir's lock for this process (flock on `.lock`, holding the pid): ShardBusy naming the holder when
+    another live process has it. The CLI takes it before the heartbeat starts, so a second worker of a shard
+    leaves the first one's heartbeat and exit record alone; taken once per process."""
+    key = str(opts.shard_dir)
+    if key in _HELD:
+        return _HELD[key]
+    opts.shard_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(opts.shard_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ShardBusy(f"shard {opts.shard}/{opts.num_shards}: {opts.shard_dir} is already being written by pid "
+                        f"{holder}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[key] = fd
+    return fd
 
 
 #: on a stop, how long a worker lets its uploads in flight finish (at most half the stop request's grace)

@@ -200,10 +200,15 @@ def test_second_writer_of_a_shard_is_refused(tiny_model, dataset, tmp_path):
         assert first.poll() is None
         time.sleep(0.02)
     second = run_extract(tiny_model, dataset, out, 0, 1)
+    exit_path = beat.parent / "exit.json"
+    if first.poll() is None:  # the live worker's status files are its own: the refused one wrote none
+        assert not exit_path.exists(), exit_path.read_text()
+        assert json.loads(beat.read_text())["pid"] == first.pid
     first.communicate(timeout=120)
     assert first.returncode == 0
     assert second.returncode == 75, "busy, not a usage error: trying later can work"
     assert f"already being written by pid {first.pid}" in second.stderr
+    assert json.loads(exit_path.read_text())["code"] == 0
 
 
 def test_dataset_and_iterator_agree(tiny_model, dataset, tmp_path):

@@ -338,3 +338,22 @@ def test_fsck_names_mixed_recipes_and_an_unreadable_output(tiny_model, data, tmp
         next(hsextract.read_samples(out))
     missing = fsck_cli(tmp_path / "nothing")
     assert missing.returncode == 2 and "cannot read it" in missing.stderr
+
+
+def test_an_s3_output_without_credentials_fails_naming_aws_credentials(prefect_server, tiny_model, data, tmp_path,
+                                                                        monkeypatch):
+    from flows.extract import extract
+    from harness.inventory import write_inventory
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0],
+                                                       "workdir": str(tmp_path / "w"), "python": sys.executable}])
+    state = extract(return_state=True, model=str(tiny_model), data=str(data), output="s3://nobody/run",
+                    hosts=str(hosts), layers="1,3")
+    assert state.is_failed()
+    assert "no AWS credentials" in state.message and "aws_credentials" in state.message, state.message
+    assert not (tmp_path / "w").exists()  # refused before any host was touched
