@@ -79,6 +79,7 @@ class Row:
     bytes: int = 0
     files_uploaded: int = 0
     bytes_uploaded: int = 0
+    layer_rms: list | None = None  # per captured layer, the RMS of the states stored so far (from the heartbeat)
     progress_id: object = None
     progress_at: float = 0.0
     progress_sent: float = -1.0
@@ -91,7 +92,8 @@ class Row:
                 "host": self.host, "gpu": self.gpu, "tokens_per_s": round(self.tokens_per_s),
                 "heartbeat_age_s": None if self.heartbeat_age_s is None else round(self.heartbeat_age_s, 1),
                 "files": self.files, "mb": round(self.bytes / 1e6, 1), "files_uploaded": self.files_uploaded,
-                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1)}
+                "mb_uploaded": round(self.bytes_uploaded / 1e6, 1),
+                "layer_rms": " ".join("-" if r is None else f"{r:.3g}" for r in self.layer_rms or ()) or "-"}
 
     def counts(self) -> dict:
         """What the run's totals add up."""
@@ -185,6 +187,7 @@ class Board:
             row.files, row.bytes = int(beat.get("files") or 0), int(beat.get("bytes") or 0)
             row.files_uploaded = int(beat.get("files_uploaded") or 0)
             row.bytes_uploaded = int(beat.get("bytes_uploaded") or 0)
+            row.layer_rms = beat.get("layer_rms") if isinstance(beat.get("layer_rms"), list) else row.layer_rms
         self._progress(row)
 
     def host_failed(self, host: str, why: str) -> None:

@@ -21,6 +21,11 @@ class CorruptOutput(HsExtractError, ValueError):
     message names the output, shard and file, what differs, and the repair (`hsextract fsck OUTPUT --repair`)."""
 
 
+class DegenerateStates(UsageError):
+    """A captured layer is all zeros, or constant, for every token of a batch: a broken kernel or checkpoint, not a
+    bad sample. The shard stops before storing the batch (exit 2: a re-run computes the same)."""
+
+
 class ShardBusy(HsExtractError):
     """Another live process holds the shard's lock: nothing is wrong with the inputs, try again later."""
 

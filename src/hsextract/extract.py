@@ -19,7 +19,7 @@ from .batchfile import build_payload
 from .batching import batch_size_buckets, pack, padded_tokens
 from .capture import LayerCapture, resolve_device, resolve_dtype
 from .chat import ChatEncoder, Rejected, Tokenized
-from .errors import Interrupted, UsageError
+from .errors import DegenerateStates, Interrupted, UsageError
 from .kernels import fused_available
 from .layers import layers_to_load
 from .liveness import Heartbeat, Progress
@@ -33,7 +33,7 @@ from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
 from .recipe import recipe_of
 from .records import Bad, Record
 from .shard import Shard, drive
-from .writer import BAD_KEY, BatchWriter, writer_staging
+from .writer import BAD_KEY, STATS_KEY, BatchWriter, writer_staging
 
 
 class ShardRun(Shard):
@@ -53,6 +53,10 @@ class ShardRun(Shard):
         self.loop = ForwardLoopTimer(torch.device("cpu"))  # the forward loop's own timings (run() makes one)
         self.cuda_start_s: float | None = None  # making the CUDA context, on a thread (`CudaStart`)
         self.preload: Preload | None = None  # the weights read to the device beside the imports
+        self.layer_ids: list[int] = []  # the captured layers (named when one is degenerate)
+        self.width = 0  # values per token of the captured layers
+        self.squares: list[float] = []  # per captured layer, the sum of squares of every state so far
+        self.squared_tokens = 0
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, layer_ids: list[int]) -> dict:
@@ -150,6 +154,7 @@ class ShardRun(Shard):
                   f"batch", file=sys.stderr, flush=True)
         first = early.result()
         self.progress.mark("first_window_tokenized")
+        self.layer_ids, self.width = list(layer_ids), capture.width
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
             "hidden_size": str(capture.hidden_size), "num_model_layers": str(capture.info.num_layers),
@@ -264,6 +269,7 @@ class ShardRun(Shard):
                 with self.loop.forward():
                     states = capture.run([s.input_ids for s in part])
                     states[BAD_KEY] = self.nonfinite_flags(part, states)
+                    states[STATS_KEY] = self.layer_stats(states["hidden_states"], len(capture.layer_ids))
                     if self.opts.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
                         states["hidden_states"], states[SCALE_KEY] = quantize(states["hidden_states"],
                                                                               capture.hidden_size)
@@ -297,6 +303,39 @@ class ShardRun(Shard):
         for tensor in states.values():
             bad_B.index_add_(0, sample_of_T, (~torch.isfinite(tensor)).any(dim=1).float())
         return bad_B > 0
+
+    @staticmethod
+    def layer_stats(hidden_TW: torch.Tensor, layers: int) -> torch.Tensor:
+        """[layers, 3] float32 on the states' device: per captured layer, the sum of squares of its states, and
+        how many tokens' rows are all zeros and constant (a few reductions; no host sync: the writer reads them
+        with the batch)."""
+        rows_TLH = hidden_TW.reshape(hidden_TW.shape[0], layers, -1)
+        top_TL, bottom_TL = rows_TLH.amax(-1), rows_TLH.amin(-1)
+        constant_TL = top_TL == bottom_TL
+        zero_TL = constant_TL & (top_TL == 0)
+        squares_L = torch.linalg.vector_norm(rows_TLH, dim=(0, 2), dtype=torch.float32).square()
+        return torch.stack([squares_L, zero_TL.sum(0).float(), constant_TL.sum(0).float()], dim=1)
+
+    def check_layers(self, batch: list[Tokenized], stats: list[list[float]]) -> list[float | None]:
+        """DegenerateStates naming the layer when a captured layer is all zeros, or constant, for every token of
+        `batch`; else the per-layer RMS of the states so far (the heartbeat's `layer_rms`) takes it in, and the
+        batch's own per-layer RMS is returned (journaled with its file; None where a state is not finite)."""
+        tokens = sum(len(s) for s in batch)
+        layer_ids = self.layer_ids or list(range(len(stats)))
+        for layer, (_, zero, constant) in zip(layer_ids, stats):
+            if tokens and (zero >= tokens or constant >= tokens):
+                what = "all zeros" if zero >= tokens else "constant (one value per row)"
+                raise DegenerateStates(
+                    f"shard {self.opts.shard}/{self.opts.num_shards}: layer {layer}'s states are {what} for every "
+                    f"one of the {tokens} tokens of a batch of {len(batch)} sample(s) (e.g. {batch[0].id}): a broken "
+                    f"kernel or checkpoint, not a bad sample; nothing of it was stored")
+        hidden = (self.width or 1) / max(1, len(stats))
+        with self.counting:
+            self.squares = [a + b[0] for a, b in zip(self.squares, stats)] if self.squares else [b[0] for b in stats]
+            self.squared_tokens += tokens
+            rms = [(q / (self.squared_tokens * hidden)) ** 0.5 for q in self.squares]
+            self.progress.layer_rms = [_finite(r) for r in rms]
+        return [_finite((b[0] / max(1, tokens * hidden)) ** 0.5) for b in stats]
 
     def drop_nonfinite(self, batch: list[Tokenized], states: dict, bad: list[bool]) -> tuple[list[Tokenized], dict]:
         """Skip (with a reason) the samples flagged by `nonfinite_flags`; host tensors in, host tensors out."""
@@ -339,6 +378,11 @@ class ShardRun(Shard):
                          **({"thread": True} if isinstance(self.prewarm, WarmThread) else {})}} if self.prewarm else
                {"tune": {"procs": 0, "tuned_before": True}} if self.tuned_before else {}),
         }
+
+def _finite(value: float) -> float | None:
+    """`value` rounded for JSON, None when NaN or infinite (JSON has neither)."""
+    return round(value, 6) if value == value and abs(value) != float("inf") else None
+
 
 class ForwardLoopTimer:
     """Where the forward loop's time goes: `next_batch_s` waiting for the next batch (reading, tokenizing,

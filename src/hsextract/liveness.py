@@ -96,6 +96,7 @@ class Progress:
     started_at: float = field(default_factory=time.time)
     extract_started_at: float | None = None
     startup: dict = field(default_factory=dict)  # milestone -> seconds from the process start (first reached)
+    layer_rms: list | None = None  # per captured layer, the RMS of the states stored so far (a layer drifting off)
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)

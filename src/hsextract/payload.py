@@ -73,6 +73,7 @@ class Prepared:
     payload: Payload
     ids: list[str]
     lengths: list[int]
+    rms: list | None = None  # per captured layer, the RMS of the batch's states (journaled with the file)
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,7 @@ class Shard:
         or, with --upload-from memory and room in its budget, hand its bytes to the uploader (None)."""
         if self.uploader and self.uploader.reserve_memory(prep.payload.size):
             entry = self.file_entry(prep, prep.payload.size, prep.payload.sha256, prep.payload.xxh3) | {
-                "from_memory": True}
+                "from_memory": True, **({"rms": prep.rms} if prep.rms is not None else {})}
             self.uploader.submit_memory(entry, prep.payload.tobytes(), self.record_file)
             return None
         if self.uploader:  # bounded local disk: over the high-water mark, wait for uploads to catch up
@@ -221,6 +221,8 @@ class Shard:
         that are durable) and queue its upload."""
         written = unsealed.seal()
         entry = self.file_entry(prep, written.bytes, written.sha256, written.xxh3)
+        if prep.rms is not None:
+            entry["rms"] = prep.rms
         self.record_file(entry)
         self.progress.mark("first_file")
         if self.uploader:

@@ -132,7 +132,7 @@ def staging_plan(bytes_per_token: int, token_budget: int, depth: int, max_bytes:
     as many sets as `depth` asks while they fit `max_bytes` (default: an eighth of the host's memory, at
     least 4 GiB, as a VM's memory may start small and grow, and at most 16 GiB), and never fewer than 2
     (one filling while one is written)."""
-    set_bytes = token_budget * bytes_per_token + 4 * ALIGN  # each of a batch's (at most 4) tensors aligned
+    set_bytes = token_budget * bytes_per_token + 6 * ALIGN  # each of a batch's (at most 6) tensors aligned
     if max_bytes is None:
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .extract import ShardRun
 
 BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to the writer thread
+STATS_KEY = "_layer_stats"  # per captured layer: sum of squares, all-zero rows, constant rows (`layer_stats`)
 
 
 class BatchWriter:
@@ -111,9 +112,14 @@ class BatchWriter:
                     self._spend("copy_wait_s", started)
                     started = time.monotonic()
                     bad = states.pop(BAD_KEY).tolist()
+                    stats = states.pop(STATS_KEY, None)
+                    rms = None
+                    if stats is not None:  # a layer degenerate for the whole batch fails the shard here, unwritten
+                        rms = self.shard.check_layers(batch, stats.tolist())
                     batch, states = self.shard.drop_nonfinite(batch, states, bad)
                     if batch:
                         prepared = self.shard.prepare_file(batch, states, hashed=False)
+                        prepared.rms = rms
                     self._spend("prepare_s", started)
                 except BaseException as exc:
                     self._fail(exc)

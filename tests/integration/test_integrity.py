@@ -357,3 +357,29 @@ def test_an_s3_output_without_credentials_fails_naming_aws_credentials(prefect_s
     assert state.is_failed()
     assert "no AWS credentials" in state.message and "aws_credentials" in state.message, state.message
     assert not (tmp_path / "w").exists()  # refused before any host was touched
+
+
+def test_a_checkpoint_made_degenerate_fails_naming_the_layer_and_stores_nothing(tiny_model, data, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    broken = tmp_path / "zeroed"
+    shutil.copytree(tiny_model, broken)
+    model = AutoModelForCausalLM.from_pretrained(broken)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.zero_()  # every state after it is zero: what a broken kernel gives
+    model.save_pretrained(broken)
+    out = tmp_path / "out"
+    failed = run_extract(broken, data, out, 0, 1)
+    assert failed.returncode == 2, failed.stderr
+    assert "layer 1's states are all zeros for every one of the" in failed.stderr and "broken" in failed.stderr
+    assert not list(out.glob("shard-*/batch-*.safetensors"))
+    assert not [e for e in read_entries(out / "shard-00000-of-00001" / "journal.jsonl") if e["kind"] == "file"]
+    # a sound model: every file journals its layers' RMS, and the heartbeat the run's
+    good = run_extract(tiny_model, data, tmp_path / "good", 0, 1)
+    assert good.returncode == 0, good.stderr
+    files = [e for e in read_entries(tmp_path / "good" / "shard-00000-of-00001" / "journal.jsonl")
+             if e["kind"] == "file"]
+    assert files and all(len(e["rms"]) == 3 and all(r > 0 for r in e["rms"]) for e in files)
+    beat = json.loads((tmp_path / "good" / "shard-00000-of-00001" / "heartbeat.json").read_text())
+    assert len(beat["layer_rms"]) == 3 and all(r > 0 for r in beat["layer_rms"])
