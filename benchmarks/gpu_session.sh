@@ -125,7 +125,7 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
     tail -7 "$OUT/correct-full.log"
     timeout ${ERR_S:-100} python3 benchmarks/gpu_correctness.py --shape27b ${ERR_LAYERS:-12} --samples 4 2>&1 | quiet \
         | tee "$OUT/err27b.log"
-    timeout ${TP_S:-330} python3 benchmarks/gpu_throughput.py --kernels fused --sustained --no-reference --no-sink \
+    [ "${TP_S:-330}" -gt 0 ] && timeout ${TP_S:-330} python3 benchmarks/gpu_throughput.py --kernels fused --sustained --no-reference --no-sink \
         --naive-samples 0 --samples ${SAMPLES:-600} --ceiling-batches 12 --json "$OUT/tp32f.json" 2>&1 | quiet \
         | tee "$OUT/tp32f.log" | tail -25 ;;
 12)  # issue 40: the 64-layer profile table and every lever beside the baseline (LEVERS: which; default all)

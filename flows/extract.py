@@ -18,7 +18,8 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
+from hsextract.options import (CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM,
+                               WorkerOptions as W)
 from tasks.board import Board, run_key
 from tasks.cancel import (Cancel, cancel_signals, cancelled, flow_run_label, hold_if_cancelled,
                           hold_stopped_shards, stop_on_cancellation)
@@ -49,7 +50,7 @@ PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num
               "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts", "reset_attempts",
               "rerun_depth", "max_reruns", "status_interval_s", "progress_timeout_s", "spool_high_gb",
               "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s", "preflight", "benchmark",
-              "kernels")
+              "kernels", "long_samples", "max_skipped")
 
 
 def flow_run_name() -> str:
@@ -119,6 +120,8 @@ def extract(
     preflight: Literal["off", "first", "only"] = "off",
     benchmark: bool = False,
     kernels: Literal[KERNEL_CHOICES] = W.kernels,
+    long_samples: Literal[OVERLONG_POLICIES] = W.overlong,
+    max_skipped: Annotated[float, Field(ge=0, le=1)] = W.max_skipped,
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -146,6 +149,10 @@ def extract(
 
     `kernels`: "default" (the states transformers computes, to the bit) or "fused" (fused norms and gate/up
     GEMM: ~21% faster at full depth on an H100, rounding differently; the output's recipe records it).
+
+    `long_samples`: a sample over `max_length` (default: the model's own limit) is skipped ("skip", journaled as
+    too_long) or cut to it ("truncate"). `max_skipped`: a shard that skips more than this share of its samples,
+    or stores none, fails naming its reasons (not retried).
     """
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()

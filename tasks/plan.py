@@ -136,6 +136,8 @@ def worker_options(p: dict, access: S3Access) -> WorkerOptions:
     options = WorkerOptions(
         model=Path(p["model"]), data=Path(p["data"]), out=p["output"], layers=p["layers"], max_length=p["max_length"],
         include_last=p.get("include_last", False), kernels=p.get("kernels") or "default",
+        overlong=p.get("long_samples") or WorkerOptions.overlong,
+        max_skipped=p.get("max_skipped", WorkerOptions.max_skipped),
         token_budget=p["token_budget"], device=p["device"], dtype=p["dtype"], out_dtype=p["out_dtype"],
         progress="log", confine=p["confine"], heartbeat_interval=p["heartbeat_interval_s"],
         spool_high_gb=p["spool_high_gb"], spool_low_gb=p["spool_low_gb"], upload_from=p["upload_from"],

@@ -5,9 +5,12 @@ others (Qwen's own templates have none) each assistant message's content is loca
 together with the special token that closes the turn right after it, and tokens overlapping those
 character spans are supervised.
 
-Over-long policy (`--max-length L`): `truncate` (default) keeps the first L tokens, `skip` records the
-sample as skipped with reason `too_long`. A truncated sample is still skipped when what is left cannot
-train a drafter (fewer than 2 consecutive supervised tokens).
+Over-long policy (`--max-length L`, by default the model's own limit, `max_position_embeddings`): `skip`
+(default) records the sample as skipped with reason `too_long`, `truncate` keeps the first L tokens. A
+truncated sample is still skipped when what is left cannot train a drafter (fewer than 2 consecutive
+supervised tokens). Tokenizing takes memory and time in proportion to the text, so a conversation of more
+than L x `BYTES_PER_TOKEN` bytes of text is never tokenized whole: skipped as `too_long` (skip), or its
+text cut at that many bytes first (truncate: what the first L tokens come from).
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ class Rejected:
     detail: str = ""
 
 
+#: the text bytes a token is allowed before a conversation is too long to tokenize whole (real text runs 3-5
+#: bytes a token; 16 leaves room for long runs of whitespace or symbols)
+BYTES_PER_TOKEN = 16
+
+
 class ChatEncoder:
     """Encodes records for one tokenizer; `encode` never raises for a bad sample, it returns `Rejected`."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_length: int | None = None, overlong: str = "truncate"):
+    def __init__(self, tokenizer, vocab_size: int, max_length: int | None = None, overlong: str = "skip"):
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"overlong policy must be one of {OVERLONG_POLICIES}, got {overlong!r}")
         self.tokenizer = tokenizer
@@ -61,8 +69,16 @@ class ChatEncoder:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 return Rejected(record.id, "invalid_token_id", f"token ids must be in [0, {self.vocab_size})")
         else:
+            messages = record.messages
+            cap = self.max_length * BYTES_PER_TOKEN if self.max_length is not None else None
+            size = text_bytes(messages)
+            if cap is not None and size > cap:
+                if self.overlong == "skip":
+                    return Rejected(record.id, "too_long", f"{size} bytes of text, over {cap} (--max-length "
+                                                           f"{self.max_length} x {BYTES_PER_TOKEN}): not tokenized")
+                messages = cut_text(messages, cap)
             try:
-                ids, mask = self._encode_chat(record.messages)
+                ids, mask = self._encode_chat(messages)
             except Exception as exc:  # a template that raises on one conversation must not kill the shard
                 return Rejected(record.id, "template_error", f"{type(exc).__name__}: {exc}"[:300])
         return self._check(record.id, list(ids), list(mask))
@@ -140,6 +156,38 @@ class ChatEncoder:
             first = found if first < 0 else first
             found = text.find(content, found + 1)
         return first, first + len(content)
+
+
+def text_bytes(messages: list[dict]) -> int:
+    """Bytes of the messages' text (their string contents, and the text parts of multimodal contents)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content.encode(errors="replace"))
+        elif isinstance(content, list):
+            total += sum(len(str(part.get("text", "")).encode(errors="replace")) for part in content
+                         if isinstance(part, dict))
+    return total
+
+
+def cut_text(messages: list[dict], cap: int) -> list[dict]:
+    """The conversation cut after `cap` bytes of text: the message that crosses it shortened, the later ones
+    dropped (a string content; other contents stop the cut there)."""
+    out, left = [], cap
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str):
+            out.append(message)
+            break
+        data = content.encode(errors="replace")
+        if len(data) <= left:
+            out.append(message)
+            left -= len(data)
+            continue
+        out.append({**message, "content": data[:left].decode(errors="ignore")})
+        break
+    return out
 
 
 def longest_run(mask: list[int]) -> int:

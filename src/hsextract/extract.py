@@ -85,7 +85,7 @@ class ShardRun(Shard):
             prewarm = self.start_prewarm(device, dtype)  # imports the model's code; tunes beside what follows
             if prewarm:
                 self.progress.mark("tuning_started")
-            encoder = ChatEncoder(load_tokenizer(opts.model), info.vocab_size, opts.max_length,
+            encoder = ChatEncoder(load_tokenizer(opts.model), info.vocab_size, info.max_length(opts.max_length),
                                   opts.overlong)  # a broken tokenizer is told before the load
             self.progress.mark("tokenizer_loaded")
             self.cuda_start_s = cuda.wait()
@@ -276,6 +276,10 @@ class ShardRun(Shard):
                 oom = None
             except torch.OutOfMemoryError as exc:
                 oom, states = str(exc), None
+            except RuntimeError as exc:  # the CPU's allocator says it in words of its own
+                if not is_cpu_oom(exc):
+                    raise
+                oom, states = f"CPU out of memory: {exc}"[:300], None
             if oom is not None:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -378,6 +382,12 @@ class ShardRun(Shard):
                          **({"thread": True} if isinstance(self.prewarm, WarmThread) else {})}} if self.prewarm else
                {"tune": {"procs": 0, "tuned_before": True}} if self.tuned_before else {}),
         }
+
+def is_cpu_oom(exc: BaseException) -> bool:
+    """Whether `exc` is torch's CPU allocator running out of memory (named like a CUDA out-of-memory)."""
+    text = str(exc)
+    return "DefaultCPUAllocator" in text or "not enough memory" in text or "can't allocate memory" in text
+
 
 def _finite(value: float) -> float | None:
     """`value` rounded for JSON, None when NaN or infinite (JSON has neither)."""

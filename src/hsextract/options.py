@@ -20,7 +20,7 @@ from .journal import shard_dir_name
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 OUT_DTYPES = ("auto", "fp8_e4m3")
-OVERLONG_POLICIES = ("truncate", "skip")
+OVERLONG_POLICIES = ("skip", "truncate")
 #: `hsextract export --format` (the export contract; hsextract.export writes them)
 EXPORT_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
 UPLOAD_FROM = ("disk", "memory")
@@ -49,9 +49,11 @@ class WorkerOptions:
         "dflash:N, eagle3, or a list like 1,16,31; SPEC+last adds the last decoder layer", required=True))
     shard: int = field(default=0, metadata=option("this shard's index, 0..num-shards-1", required=True))
     num_shards: int = field(default=1, metadata=option("how many shards the dataset is split into", required=True))
-    max_length: int | None = field(default=None, metadata=option("longest sample in tokens (see --overlong)"))
-    overlong: str = field(default="truncate", metadata=option(
-        "samples over --max-length: keep the first tokens (default) or skip them", choices=OVERLONG_POLICIES))
+    max_length: int | None = field(default=None, metadata=option(
+        "longest sample in tokens (default: the model's own limit, max_position_embeddings; see --overlong)"))
+    overlong: str = field(default="skip", metadata=option(
+        "samples over --max-length: skip them (default, journaled as too_long) or keep their first tokens "
+        "(truncate)", choices=OVERLONG_POLICIES))
     token_budget: int = field(default=8192, metadata=option("padded tokens per batch (one file per batch)"))
     sort_window: int = field(default=1024, metadata=option("samples sorted by length together"))
     device: str = field(default="auto", metadata=option("cpu, cuda or cuda:N (default: cuda if available)"))

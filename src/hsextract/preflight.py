@@ -27,6 +27,11 @@ class ModelInfo:
     num_layers: int
     hidden_size: int
     vocab_size: int
+    max_positions: int | None = None  # the longest sequence the model takes (`max_position_embeddings`)
+
+    def max_length(self, asked: int | None) -> int | None:
+        """The samples' length limit: --max-length, else the model's own."""
+        return asked if asked is not None else self.max_positions
 
 
 def read_model_info(model_dir: Path) -> ModelInfo:
@@ -44,8 +49,10 @@ def read_model_info(model_dir: Path) -> ModelInfo:
         raise UsageError(f"{config_path}: not valid JSON ({exc})") from None
     text = raw.get("text_config", raw)
     try:
+        limit = text.get("max_position_embeddings")
         return ModelInfo(raw.get("model_type", "?"), int(text["num_hidden_layers"]),
-                         int(text["hidden_size"]), int(text["vocab_size"]))
+                         int(text["hidden_size"]), int(text["vocab_size"]),
+                         int(limit) if isinstance(limit, int) and limit > 1 else None)
     except KeyError as exc:
         raise UsageError(f"{config_path}: missing {exc.args[0]!r}") from None
 
@@ -91,7 +98,8 @@ def count_tokens(opts: WorkerOptions, sample: int) -> dict:
         from .extract import load_tokenizer
 
         info = read_model_info(opts.model)
-        encoder = ChatEncoder(load_tokenizer(opts.model), info.vocab_size, opts.max_length, opts.overlong)
+        encoder = ChatEncoder(load_tokenizer(opts.model), info.vocab_size, info.max_length(opts.max_length),
+                              opts.overlong)
         lengths = [len(t) for t in map(encoder.encode, usable) if isinstance(t, Tokenized)]
         how = "the model's tokenizer and chat template"
     mean = sum(lengths) / len(picks) if picks else 0.0  # a malformed or rejected sample adds no tokens

@@ -383,3 +383,23 @@ def test_a_checkpoint_made_degenerate_fails_naming_the_layer_and_stores_nothing(
     assert files and all(len(e["rms"]) == 3 and all(r > 0 for r in e["rms"]) for e in files)
     beat = json.loads((tmp_path / "good" / "shard-00000-of-00001" / "heartbeat.json").read_text())
     assert len(beat["layer_rms"]) == 3 and all(r > 0 for r in beat["layer_rms"])
+
+
+def test_a_huge_record_is_never_tokenized_whole(tiny_model, tmp_path):
+    import random
+
+    rows = [tiny.make_conversation(random.Random(i), f"s{i:03d}", 1, 8) for i in range(30)]
+    huge = {"id": "huge", "messages": [{"role": "user", "content": "tell me everything"},
+                                        {"role": "assistant", "content": "word " * 2_000_000}]}  # 10 MB of text
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:15] + [huge] + rows[15:]))
+    skipped = run_extract(tiny_model, data, tmp_path / "skip", 0, 1, "--max-skipped", "0.05")
+    assert skipped.returncode == 0, skipped.stderr
+    entry = next(e for e in read_entries(tmp_path / "skip" / "shard-00000-of-00001" / "journal.jsonl")
+                 if e.get("id") == "huge")
+    assert entry["reason"] == "too_long" and "bytes of text, over 131072 (--max-length 8192 x 16)" in entry["detail"]
+    assert summary_of(skipped)["samples_written"] == 30
+    cut = run_extract(tiny_model, data, tmp_path / "cut", 0, 1, "--max-length", "512", "--overlong", "truncate")
+    assert cut.returncode == 0, cut.stderr
+    stored = {s["id"]: s for s in hsextract.read_samples(tmp_path / "cut")}
+    assert stored["huge"]["input_ids"].shape[0] == 512 and len(stored) == 31
