@@ -28,6 +28,7 @@ class Tokenized:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    source: str = ""  # the digest of the record it was made from (`Record.digest`), journaled with its file
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -81,7 +82,10 @@ class ChatEncoder:
                 ids, mask = self._encode_chat(messages)
             except Exception as exc:  # a template that raises on one conversation must not kill the shard
                 return Rejected(record.id, "template_error", f"{type(exc).__name__}: {exc}"[:300])
-        return self._check(record.id, list(ids), list(mask))
+        checked = self._check(record.id, list(ids), list(mask))
+        if isinstance(checked, Tokenized):
+            return Tokenized(checked.id, checked.input_ids, checked.loss_mask, record.digest)
+        return checked
 
     def _check(self, sample_id: str, ids: list[int], mask: list[int]) -> Tokenized | Rejected:
         if not ids:

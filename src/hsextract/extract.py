@@ -366,7 +366,8 @@ class ShardRun(Shard):
         }
         ids = [s.id for s in batch]
         metadata = {**self.metadata, "sample_ids": json.dumps(ids)}
-        return Prepared(name, build_payload(tensors, metadata, hashed), ids, lengths)
+        return Prepared(name, build_payload(tensors, metadata, hashed), ids, lengths,
+                        provenance=provenance(batch))
 
     def summary_extra(self) -> dict:
         """The GPU's peak memory, the checkpoint's read-ahead, the model's load, the kernels' tuning and warm-up."""
@@ -382,6 +383,17 @@ class ShardRun(Shard):
                          **({"thread": True} if isinstance(self.prewarm, WarmThread) else {})}} if self.prewarm else
                {"tune": {"procs": 0, "tuned_before": True}} if self.tuned_before else {}),
         }
+
+def provenance(batch: list[Tokenized]) -> dict:
+    """Per sample, the xxh3-64 of its token ids (int32, as the file holds them) and of the record it was made
+    from: a trainer can check that states and tokens belong together, and a resume that a record changed."""
+    import array
+
+    import xxhash
+
+    return {"tokens_xxh3": [xxhash.xxh3_64(array.array("i", s.input_ids).tobytes()).hexdigest() for s in batch],
+            "records_xxh3": [getattr(s, "source", "") for s in batch]}
+
 
 def is_cpu_oom(exc: BaseException) -> bool:
     """Whether `exc` is torch's CPU allocator running out of memory (named like a CUDA out-of-memory)."""

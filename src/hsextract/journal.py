@@ -156,6 +156,7 @@ class OutputState:
     duplicates: set[tuple[str, int]] = field(default_factory=set)  # (id, line) of repeated ids, recorded
     objects: dict = field(default_factory=dict)  # key -> StoredObject: the store's listing, when scanned
     recipes: dict[str, dict] = field(default_factory=dict)  # shard dir -> its journal's last `recipe` entry
+    sources: dict[str, str] = field(default_factory=dict)  # id -> digest of the record its first copy was made from
 
     def fingerprints(self) -> dict[str, list[str]]:
         """Recipe fingerprint -> the shard dirs whose journals were made with it (more than one: mixed)."""
@@ -184,8 +185,12 @@ def merge_journals(journals: Iterable[tuple[str, list[dict]]]) -> OutputState:
             kind = entry.get("kind")
             if kind == "file" and entry["file"] not in lost:
                 state.files.append((shard, entry))
-                for sample_id in entry["ids"]:
-                    state.written.setdefault(sample_id, (shard, entry["file"]))
+                sources = entry.get("records_xxh3") or ()
+                for n, sample_id in enumerate(entry["ids"]):
+                    if sample_id not in state.written:
+                        state.written[sample_id] = (shard, entry["file"])
+                        if n < len(sources) and sources[n]:
+                            state.sources[sample_id] = sources[n]
             elif kind == "skip" and entry["reason"] == "duplicate_id":
                 state.duplicates.add((entry["id"], entry["line"]))
             elif kind == "skip":

@@ -74,6 +74,7 @@ class Prepared:
     ids: list[str]
     lengths: list[int]
     rms: list | None = None  # per captured layer, the RMS of the batch's states (journaled with the file)
+    provenance: dict | None = None  # per sample: "tokens_xxh3" of its token ids, "records_xxh3" of its record
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,16 @@ class Record:
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
 
+    @property
+    def digest(self) -> str:
+        """xxh3-64 (hex) of what the sample is made from (its messages, or its tokens and mask) as canonical JSON:
+        the same record in any format (JSONL, Parquet) has the same one, a record changed under its id another."""
+        import xxhash
+
+        body = self.messages if self.messages is not None else [self.input_ids, self.loss_mask]
+        return xxhash.xxh3_64(json.dumps(body, sort_keys=True, ensure_ascii=False,
+                                         separators=(",", ":")).encode()).hexdigest()
+
 
 @dataclass(frozen=True)
 class Bad:

@@ -180,6 +180,7 @@ class Shard:
         state = scan(LocalStore(self.opts.out_dir))
         seen: set[str] = set()
         pending: list[Record | Bad] = []
+        changed: list[str] = []
         mine = self.opts.shard
         for item in iter_records(self.opts.data, keep=lambda i: shard_of(i, self.opts.num_shards) == mine):
             if item.id in seen:
@@ -187,10 +188,18 @@ class Shard:
                     self.skip(item.id, "duplicate_id", "the same id appears earlier in the file", item.line)
                 continue
             seen.add(item.id)
+            made_from = state.sources.get(item.id)
+            if made_from and isinstance(item, Record) and item.digest != made_from:
+                changed.append(f"{item.id} (line {item.line})")
             if state.finished(item.id) and state.skipped.get(item.id) not in self.opts.retry_reasons:
                 self.progress.samples_done += 1
             else:
                 pending.append(item)
+        if changed:
+            raise UsageError(f"shard {self.opts.shard}/{self.opts.num_shards}: {len(changed)} record(s) of --data are "
+                             f"not the records their stored samples were made from, e.g. {', '.join(changed[:3])}: "
+                             f"the dataset changed, or another one reuses its ids. A changed dataset takes a new "
+                             f"output")
         self.assigned = seen
         self.progress.samples_total = len(seen)
         return pending
@@ -230,9 +239,10 @@ class Shard:
 
     @staticmethod
     def file_entry(prep: "Prepared", size: int, sha256: str, xxh3: str | None = None) -> dict:
-        """The journal entry of a written (or stored) file."""
+        """The journal entry of a written (or stored) file (with its samples' provenance, where known)."""
         return {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
-                "lengths": prep.lengths, "bytes": size, "sha256": sha256, **({"xxh3": xxh3} if xxh3 else {})}
+                "lengths": prep.lengths, "bytes": size, "sha256": sha256, **({"xxh3": xxh3} if xxh3 else {}),
+                **(getattr(prep, "provenance", None) or {})}
 
     def record_file(self, entry: dict) -> None:
         """Journal a file that is durable (on disk, or verified in the store) and count it."""

@@ -403,3 +403,27 @@ def test_a_huge_record_is_never_tokenized_whole(tiny_model, tmp_path):
     assert cut.returncode == 0, cut.stderr
     stored = {s["id"]: s for s in hsextract.read_samples(tmp_path / "cut")}
     assert stored["huge"]["input_ids"].shape[0] == 512 and len(stored) == 31
+
+
+def test_a_dataset_whose_records_changed_under_their_ids_is_refused(tiny_model, data, tmp_path):
+    out = tmp_path / "out"
+    first = run_extract(tiny_model, data, out, 0, 1)
+    assert first.returncode == 0, first.stderr
+    files = [e for e in read_entries(out / "shard-00000-of-00001" / "journal.jsonl") if e["kind"] == "file"]
+    assert all(len(e["tokens_xxh3"]) == len(e["records_xxh3"]) == len(e["ids"]) for e in files)
+    import array
+
+    import xxhash
+
+    for sample in hsextract.read_samples(out):  # a trainer can tell that states and tokens belong together
+        entry = next(e for e in files if sample["id"] in e["ids"])
+        want = entry["tokens_xxh3"][entry["ids"].index(sample["id"])]
+        assert xxhash.xxh3_64(array.array("i", sample["input_ids"].tolist()).tobytes()).hexdigest() == want
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[5]["messages"][-1]["content"] += " and something else"  # another dataset reusing the ids
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = snapshot(out)
+    refused = run_extract(tiny_model, other, out, 0, 1)
+    assert refused.returncode == 2 and f"{rows[5]['id']} (line 6)" in refused.stderr, refused.stderr
+    assert "new output" in refused.stderr and snapshot(out) == before
