@@ -9,7 +9,8 @@ the benchmark copies into a preallocated buffer (what a collate or pinning step 
 through a DataLoader with `--workers` persistent worker processes. Figures: samples/s, bytes/s, the mean
 seconds from an epoch's start to its first sample (the readers' first downloads, which share the bandwidth
 with their prefetches: a real epoch of thousands of files hides it, these few files do not), and the
-stream's bytes/s over the raw read's (the issue's goal >= 0.9). Locally both read
+stream's bytes/s over the raw read's (the issue's goal >= 0.9), each with the readers' default checksum check
+(xxh3 of every file against its journal) and with it off (`verify=False`: the cost of the check). Locally both read
 from the page cache (each is run once to warm it, then measured); S3 is moto's server, a process of its
 own on loopback (`--no-s3` skips it). Then `hsextract export` of the local output to specforge-dflash and
 speculators: time, MB/s and peak RSS.
@@ -56,7 +57,8 @@ def build(out: Path, files: int, tokens_per_file: int, layers: int, hidden: int)
                 "dtype": "bfloat16", "hsextract_version": "bench"}
         written = write_batch(shard / f"batch-{seq:06d}.safetensors", tensors, meta)
         lines.append(json.dumps({"kind": "file", "file": written.name, "ids": ids, "tokens": total,
-                                 "lengths": lengths, "bytes": written.bytes, "sha256": written.sha256, "time": 0}))
+                                 "lengths": lengths, "bytes": written.bytes, "sha256": written.sha256,
+                                 "xxh3": written.xxh3, "time": 0}))
         samples += len(ids)
         state_bytes += tensors["hidden_states"].numel() * 2
     lines.append(json.dumps({"kind": "done", "summary": {}, "time": 0}))
@@ -72,14 +74,15 @@ def raw_read(read_one, names: list[str], epochs: int) -> tuple[float, int]:
     return time.perf_counter() - began, size
 
 
-def stream_read(uri: str, prefetch: int, epochs: int, workers: int = 0) -> tuple[float, float, int, int]:
+def stream_read(uri: str, prefetch: int, epochs: int, workers: int = 0,
+                verify: bool | str = True) -> tuple[float, float, int, int]:
     """Every sample's states copied into one preallocated buffer, as a collate or pinning step does: a
     local output's records are views of its files' pages, and only a copy reads them. `workers`: through a
     DataLoader with that many persistent worker processes, as a training loop over several epochs has
     them. (seconds, mean seconds from an epoch's start to its first sample, samples, state bytes)."""
     began, starts, samples, size = time.perf_counter(), [], 0, 0
     buffer = torch.empty(0, dtype=torch.bfloat16)
-    stream = HiddenStatesStream(uri, keys="specforge-dflash", prefetch=prefetch)
+    stream = HiddenStatesStream(uri, keys="specforge-dflash", prefetch=prefetch, verify=verify)
     source = (torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=True)
               if workers else stream)
     for epoch in range(epochs):
@@ -98,13 +101,14 @@ def stream_read(uri: str, prefetch: int, epochs: int, workers: int = 0) -> tuple
 
 
 def measure(label: str, uri: str, read_one, names: list[str], file_bytes: int, prefetch: int, epochs: int,
-            workers: int = 0) -> dict:
+            workers: int = 0, verify: bool | str = True) -> dict:
     raw_read(read_one, names, 1)  # warm (page cache / server)
-    stream_read(uri, prefetch, 1, workers)
+    stream_read(uri, prefetch, 1, workers, verify)
     raw_s, got = raw_read(read_one, names, epochs)
     assert got == file_bytes * epochs, (got, file_bytes)
-    stream_s, first_s, samples, state = stream_read(uri, prefetch, epochs, workers)
+    stream_s, first_s, samples, state = stream_read(uri, prefetch, epochs, workers, verify)
     label += f", {workers} DataLoader workers" if workers else ""
+    label += {False: ", checksums off", True: "", "full": ", sha256"}[verify]
     row = {"where": label, "files": len(names), "file_mb": round(file_bytes / 1e6, 1), "epochs": epochs,
            "raw_s": round(raw_s, 2), "raw_mb_per_s": round(got / raw_s / 1e6),
            "stream_s": round(stream_s, 2), "epoch_start_s": round(first_s, 3),
@@ -140,8 +144,8 @@ def main() -> None:
             with open(shard / name, "rb", buffering=0) as f:
                 return memoryview(buffer)[:f.readinto(buffer)]
 
-        rows = [measure("local", str(out), read_local, names, file_bytes, args.prefetch, args.epochs, n)
-                for n in sorted({0, args.workers})]
+        rows = [measure("local", str(out), read_local, names, file_bytes, args.prefetch, args.epochs, n, v)
+                for n in sorted({0, args.workers}) for v in (False, True)]
         if not args.no_s3:
             rows += s3_rows(out, names, file_bytes, args.prefetch, args.epochs, args.workers)
         exports = [export_row(out, Path(tmp) / fmt, fmt, file_bytes) for fmt in ("specforge-dflash", "speculators")]
@@ -210,8 +214,8 @@ def s3_rows(out: Path, names: list[str], file_bytes: int, prefetch: int, epochs:
         def get(name: str) -> bytes:
             return client.get_object(Bucket="bench", Key=key + name)["Body"].read()
 
-        return [measure("s3 (moto, loopback)", "s3://bench/run", get, names, file_bytes, prefetch, epochs, n)
-                for n in sorted({0, workers})]
+        return [measure("s3 (moto, loopback)", "s3://bench/run", get, names, file_bytes, prefetch, epochs, n, v)
+                for n in sorted({0, workers}) for v in (False, True)]
     finally:
         server.kill()
         server.wait()

@@ -50,7 +50,7 @@ PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num
               "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts", "reset_attempts",
               "rerun_depth", "max_reruns", "status_interval_s", "progress_timeout_s", "spool_high_gb",
               "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s", "preflight", "benchmark",
-              "kernels", "long_samples", "max_skipped")
+              "kernels", "long_samples", "max_skipped", "retry_skipped")
 
 
 def flow_run_name() -> str:
@@ -122,6 +122,7 @@ def extract(
     kernels: Literal[KERNEL_CHOICES] = W.kernels,
     long_samples: Literal[OVERLONG_POLICIES] = W.overlong,
     max_skipped: Annotated[float, Field(ge=0, le=1)] = W.max_skipped,
+    retry_skipped: Annotated[str, Field(pattern=r"^[a-z_,]*$")] = W.retry_skipped,
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -152,7 +153,8 @@ def extract(
 
     `long_samples`: a sample over `max_length` (default: the model's own limit) is skipped ("skip", journaled as
     too_long) or cut to it ("truncate"). `max_skipped`: a shard that skips more than this share of its samples,
-    or stores none, fails naming its reasons (not retried).
+    or stores none, fails naming its reasons (not retried); `retry_skipped` ("invalid_record,too_long") makes
+    the workers try the samples skipped for those reasons again (after the data or the options were fixed).
     """
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hsextract.errors import UsageError
+from hsextract.errors import CorruptOutput, UsageError
 from hsextract.journal import OutputState
 from hsextract.layers import parse_layer_spec
 from hsextract.options import WorkerOptions
@@ -137,7 +137,7 @@ def worker_options(p: dict, access: S3Access) -> WorkerOptions:
         model=Path(p["model"]), data=Path(p["data"]), out=p["output"], layers=p["layers"], max_length=p["max_length"],
         include_last=p.get("include_last", False), kernels=p.get("kernels") or "default",
         overlong=p.get("long_samples") or WorkerOptions.overlong,
-        max_skipped=p.get("max_skipped", WorkerOptions.max_skipped),
+        max_skipped=p.get("max_skipped", WorkerOptions.max_skipped), retry_skipped=p.get("retry_skipped") or "",
         token_budget=p["token_budget"], device=p["device"], dtype=p["dtype"], out_dtype=p["out_dtype"],
         progress="log", confine=p["confine"], heartbeat_interval=p["heartbeat_interval_s"],
         spool_high_gb=p["spool_high_gb"], spool_low_gb=p["spool_low_gb"], upload_from=p["upload_from"],
@@ -213,6 +213,8 @@ def read_output(store: Store, run: str, log) -> OutputState:
         return scan(store)
     except NoSuchBucket as exc:
         raise ValueError(f"output={store.uri!r}: {exc}") from None
+    except CorruptOutput:
+        raise  # a journal that does not parse: named, with its repair, before any launch
     except Exception as exc:
         if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):  # botocore's: no keys here
             raise ValueError(f"output={store.uri!r}: the orchestrator has no AWS credentials for it ({exc}): name "

@@ -6,7 +6,7 @@ Importing this package is cheap (no torch): the CLI prints its STARTED line befo
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "read_samples", "HiddenStatesDataset", "HiddenStatesStream"]
+__all__ = ["__version__", "read_samples", "HiddenStatesDataset", "HiddenStatesStream", "CorruptOutput"]
 
 
 def __getattr__(name: str):
@@ -14,6 +14,10 @@ def __getattr__(name: str):
         from . import reader
 
         return getattr(reader, name)
+    if name == "CorruptOutput":
+        from .errors import CorruptOutput
+
+        return CorruptOutput
     if name == "HiddenStatesStream":
         from .stream import HiddenStatesStream
 

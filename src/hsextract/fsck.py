@@ -11,7 +11,8 @@ Found (each a `Problem`: where, what, and what the repair does about it):
 
 `--repair`: the journal keeps its good lines (the bad ones are cut, the original kept beside it as
 `journal.jsonl.fsck-<time>`); every missing or corrupt file is retracted with a `lost` entry (the next run of
-its shard redoes exactly its samples, as it does every sample of a line that was cut); unjournaled and temp
+its shard redoes exactly its samples, as it does every sample of a line that was cut: the journal ends with a
+`reopened` entry, so the shard is no longer done); unjournaled and temp
 files are removed; the seal and its index go (reconcile seals the output again once it is whole). Mixed recipes
 are not repaired: which recipe to keep is a person's call (`hsextract fsck` lists the shards of each).
 
@@ -173,7 +174,9 @@ def _repair(store: Store, shards: list[Shard], retract: dict, strays: list[str],
         if shard.bad:
             store.write(f"{shard.key}.fsck-{stamp}", original)  # the journal as it was, beside it
             kept = b"".join(line(e) for e in shard.entries)
-            store.write(shard.key, kept + b"".join(lost))
+            reopened = line({"kind": "reopened", "why": f"fsck cut {len(shard.bad)} bad line(s): their samples "
+                                                        f"are redone", "time": round(time.time(), 3)})
+            store.write(shard.key, kept + b"".join(lost) + reopened)  # no longer ends `done`: the next run redoes
             done.append(f"{shard.key}: {len(shard.bad)} bad line(s) cut (the original: {shard.key}.fsck-{stamp})"
                         + (f", {len(lost)} file(s) retracted" if lost else ""))
         else:

@@ -7,6 +7,8 @@ One JSON object per line in `<out>/<shard dir>/journal.jsonl`:
   {"kind": "done", "summary": {...}, "time"}
   {"kind": "lost", "file", "why", "time"}   appended by reconcile: the file is gone or corrupt in the store,
                                             so its samples count as not written and a re-run redoes them
+  {"kind": "reopened", "why", "time"}   appended by `hsextract fsck --repair` after it cut bad lines: the shard
+                                            is no longer done, and its next run redoes what those lines named
   {"kind": "recipe", "fingerprint", "recipe": {...}, "time"}   what the states are made with
                                             (`hsextract.recipe`), appended by a run before its first file
                                             (and by a later run whose versions differ)
@@ -25,6 +27,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .errors import CorruptOutput
 
 JOURNAL_NAME = "journal.jsonl"
 #: the output's seal (written by reconcile when every sample is accounted for), the index it vouches for, and
@@ -68,11 +72,12 @@ def parse_entries(data: bytes, where: str) -> Iterator[dict]:
         except json.JSONDecodeError:
             if number == len(lines):
                 return  # torn final line: the append it belonged to never completed
-            raise ValueError(f"{where}:{number}: corrupt journal line: {raw[:120]!r}") from None
+            raise CorruptOutput(f"{where}:{number}: corrupt journal line: {raw[:120]!r} (`hsextract fsck OUTPUT "
+                                f"--repair` cuts it; the samples of a file it named are redone)") from None
         name = entry.get("file") if isinstance(entry, dict) else None
         if name is not None and not (isinstance(name, str) and FILE_NAME.fullmatch(name)):
-            raise ValueError(f"{where}:{number}: file {name!r} is not a plain file name: a journal names only "
-                             f"files in its own shard's directory")
+            raise CorruptOutput(f"{where}:{number}: file {name!r} is not a plain file name: a journal names only "
+                                f"files in its own shard's directory")
         yield entry
 
 

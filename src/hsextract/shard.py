@@ -15,7 +15,7 @@ import time
 from collections import Counter
 
 from . import __version__
-from .errors import BUSY_EXIT, USAGE_EXIT, Interrupted, ShardBusy, ShardIncomplete, UsageError
+from .errors import BUSY_EXIT, USAGE_EXIT, CorruptOutput, Interrupted, ShardBusy, ShardIncomplete, UsageError
 from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, stop_request, write_json_atomic
@@ -42,6 +42,7 @@ class Shard:
         self.journal: Journal | None = None
         self.started = time.time()
         self.counting = threading.Lock()  # progress is updated by the main and the writer thread
+        self.recording = threading.Lock()  # file entries come from the writer and the uploader threads
         self.uploader = None  # BackgroundUploader when the output is s3://
         self.extract_ended: float | None = None
         self.drain_s = 0.0  # waiting for the uploader after the last batch
@@ -49,6 +50,8 @@ class Shard:
         self.assigned: set[str] = set()
         self.next_seq = 1
         self.recipe: Recipe | None = None  # what this run's states are made with: set by `run()` before `begin()`
+        self.recorded_recipe: dict | None = None  # this shard's last journaled `recipe` entry (`check_recipe`)
+        self.recipe_journaled = False  # this run's recipe is in the journal (before its first file entry)
 
     # -- set-up ---------------------------------------------------------------------------------------
     def validate(self) -> list[int]:
@@ -81,10 +84,9 @@ class Shard:
         self.lock()
         if opts.upload:
             self.start_uploader()
-        recorded = self.check_recipe()  # before a byte of this run is written
+        self.recorded_recipe = self.check_recipe()  # before a byte of this run is written
         self.clean_shard_dir()
         self.journal = Journal(opts.shard_dir)
-        self.record_recipe(recorded)
         if self.uploader:
             self.resume_uploads()
         self.progress.phase = "reading_data"
@@ -115,12 +117,14 @@ class Shard:
         return {"recipe_fingerprint": self.recipe.fingerprint,
                 "recipe": json.dumps(self.recipe.to_json(), separators=(",", ":"))}
 
-    def record_recipe(self, recorded: dict | None) -> None:
-        """Journal this run's recipe where the shard has none yet, or where this run's versions differ from the
-        last run's (the states' fingerprint is the same: `check_recipe` refused any other)."""
-        if self.recipe is None:
+    def record_recipe(self) -> None:
+        """Before this run's first file entry: journal its recipe where the shard has none yet, or where this
+        run's versions differ from the last run's (the fingerprint is the same: `check_recipe` refused any
+        other). A run that stores nothing records no recipe: a corrected retry is not held to it."""
+        if self.recipe is None or self.recipe_journaled:
             return
-        mine = self.recipe.to_json()
+        self.recipe_journaled = True
+        mine, recorded = self.recipe.to_json(), self.recorded_recipe
         if recorded is None or (recorded.get("recipe") or {}).get("versions") != mine["versions"]:
             self.journal.append({"kind": "recipe", "fingerprint": self.recipe.fingerprint, "recipe": mine},
                                 durable=True)
@@ -246,7 +250,9 @@ class Shard:
 
     def record_file(self, entry: dict) -> None:
         """Journal a file that is durable (on disk, or verified in the store) and count it."""
-        self.journal.append(entry, durable=True)
+        with self.recording:
+            self.record_recipe()
+            self.journal.append(entry, durable=True)
         p = self.progress
         with self.counting:
             p.samples_done += len(entry["ids"])
@@ -281,7 +287,7 @@ class Shard:
         them (every run's skips counted): the data or the options are wrong, and a run that stores nothing is
         no success. Names the top reasons with a count and an example line each."""
         assigned = self.assigned
-        skipped = {i: state.skipped[i] for i in assigned if i in state.skipped}
+        skipped = {i: state.skipped[i] for i in assigned if i in state.skipped and i not in state.written}
         if not assigned or (len(skipped) <= self.opts.max_skipped * len(assigned) and len(skipped) < len(assigned)):
             return
         examples: dict[str, dict] = {}
@@ -299,7 +305,8 @@ class Shard:
                 f"skipped {len(skipped)} of its {len(assigned)} sample(s) ({len(skipped) / len(assigned):.1%}, over "
                 f"--max-skipped {self.opts.max_skipped:g})")
         raise UsageError(f"shard {self.opts.shard}/{self.opts.num_shards} {what}: {reasons}. Fix the data or the "
-                         f"options, then run again with --retry-skipped {','.join(r for r, _ in counts)}")
+                         f"options, then run again with --retry-skipped {','.join(r for r, _ in counts)} (the "
+                         f"flow's retry_skipped)")
 
     def summary(self) -> dict:
         """What the shard did: samples, skips by reason, tokens, files, bytes, speeds, the pipeline's timings."""
@@ -395,7 +402,7 @@ def drive(make_shard, opts: WorkerOptions, heartbeat: Heartbeat | None = None) -
         code, reason = 0, "complete"
         reporter.close()
         print("SUMMARY " + json.dumps(summary), flush=True)
-    except UsageError as exc:
+    except (UsageError, CorruptOutput) as exc:  # neither is mended by running again
         code, reason = USAGE_EXIT, f"usage: {exc}"
     except ShardBusy as exc:
         code, reason = BUSY_EXIT, f"busy: {exc}"
