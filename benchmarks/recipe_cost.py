@@ -36,10 +36,11 @@ def build(model: Path, gb: float, files: int) -> int:
         header += b" " * (-len(header) % 8)
         path = model / f"model-{i + 1:05d}-of-{files:05d}.safetensors"
         with path.open("wb") as f:
-            f.write(len(header).to_bytes(8, "little") + header)
             for k in range(PIECES):  # real bytes where the digest reads
                 f.seek(size * k // PIECES)
                 f.write(os.urandom(PIECE_BYTES))
+            f.seek(0)
+            f.write(len(header).to_bytes(8, "little") + header)  # the header over the first piece's start
             f.truncate(size)
         read += 8 + len(header) + (PIECES + 1) * PIECE_BYTES
     return read

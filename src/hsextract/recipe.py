@@ -239,18 +239,20 @@ def weights_digest(model: Path) -> str:
     digest = xxhash.xxh3_128()
     for path in files:
         try:
-            with path.open("rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                digest.update(f"{path.name}\0{size}\0".encode())
-                head = handle.read(8)
-                if path.suffix == ".safetensors" and len(head) == 8:
-                    header_len = int.from_bytes(head, "little")
-                    digest.update(handle.read(min(header_len, 100 << 20)))
-                for i in range(PIECES):
-                    handle.seek(size * i // PIECES)
-                    digest.update(handle.read(PIECE_BYTES))
-                handle.seek(max(0, size - PIECE_BYTES))
-                digest.update(handle.read(PIECE_BYTES))
+            fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
             raise UsageError(f"{path}: not readable ({exc.strerror or exc})") from None
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # each piece alone: no read-ahead around it
+            size = os.fstat(fd).st_size
+            digest.update(f"{path.name}\0{size}\0".encode())
+            head = os.pread(fd, 8, 0)
+            if path.suffix == ".safetensors" and len(head) == 8:
+                digest.update(os.pread(fd, min(int.from_bytes(head, "little"), 100 << 20), 8))
+            for offset in [size * i // PIECES for i in range(PIECES)] + [max(0, size - PIECE_BYTES)]:
+                digest.update(os.pread(fd, PIECE_BYTES, offset))
+        except OSError as exc:
+            raise UsageError(f"{path}: not readable ({exc.strerror or exc})") from None
+        finally:
+            os.close(fd)
     return "xxh3:" + digest.hexdigest()
