@@ -241,7 +241,7 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
     if error := unreconciled(plan, summary["reconcile"], params, log):
         return failed(plan, board, error, "failed: samples missing")
     checked = summary["reconcile"]
-    if not checked["complete"]:  # nothing missing, and still not one dataset: no re-run can help
+    if checked["expected"] == 0 or len(checked["recipes"]) > 1:  # not one dataset: no re-run can help
         why = ("the dataset has no samples: nothing was extracted, nothing sealed" if checked["expected"] == 0 else
                f"the output holds {len(checked['recipes'])} recipes ({', '.join(checked['recipes'])}): not one "
                f"dataset, not sealed; `hsextract fsck {params['output']}` lists which files are which")

@@ -95,8 +95,8 @@ def check_bytes(data, entry: dict | None, where: str, mode: str, repair: str = "
             return  # a file from before checksums, read alone: nothing to check it against
     if got != want:
         recorded = "its journal recorded" if what in ("sha256", "xxh3") else "its header recorded"
-        raise CorruptOutput(f"{where}: {what} {got}, but {recorded} {want}: its bytes changed after it was "
-                            f"written{tail}")
+        raise CorruptOutput(f"{where}: checksum mismatch, {what} {got}, but {recorded} {want}: its bytes changed "
+                            f"after it was written{tail}")
 
 
 class BatchFile:

@@ -16,7 +16,7 @@ text cut at that many bytes first (truncate: what the first L tokens come from).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .options import OVERLONG_POLICIES
 from .records import Record
@@ -28,7 +28,7 @@ class Tokenized:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
-    source: str = ""  # the digest of the record it was made from (`Record.digest`), journaled with its file
+    source: str = field(default="", compare=False)  # the digest of its record (`Record.digest`), journaled
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -150,8 +150,8 @@ def _extract(opts: WorkerOptions, capture) -> int:
         print(f"hsextract: {exc}: not started (exit {BUSY_EXIT})", file=sys.stderr)
         return BUSY_EXIT
     except OSError as exc:
-        print(f"hsextract: --out {str(opts.out_dir)!r}: cannot lock {opts.shard_dir} ({exc.strerror or exc})",
-              file=sys.stderr)
+        print(f"hsextract: --out {str(opts.out_dir)!r}: not writable: cannot lock {opts.shard_dir} "
+              f"({exc.strerror or exc})", file=sys.stderr)
         return USAGE_EXIT
     heartbeat = Heartbeat(opts.status_path, Progress(opts.shard, opts.num_shards, __version__), opts.heartbeat_interval)
     try:

@@ -122,7 +122,7 @@ def recipe_of(opts, layer_ids: list[int], dtype: str, kernels: str | None = None
     model = Path(opts.model)
     info = read_model_info(model)
     if opts.synthetic is not None:
-        weights = f"synthetic:{opts.synthetic:g} tokens/s"
+        weights = "synthetic"  # random states, whatever the rate
     elif opts.random_weights is not None:
         weights = f"random:{opts.random_weights}"
     else:

@@ -346,8 +346,11 @@ def test_an_s3_output_without_credentials_fails_naming_aws_credentials(prefect_s
     from flows.extract import extract
     from harness.inventory import write_inventory
 
+    import boto3
+
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # a session of an earlier test keeps the keys it found
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")

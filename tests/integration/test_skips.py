@@ -78,7 +78,7 @@ def test_truncate_policy_keeps_prefix(tiny_model, tmp_path):
                                        {"role": "assistant", "content": "mi ne " * 200}]}
     data = write_lines(tmp_path / "data.jsonl", [json.dumps(conv)])
     out = tmp_path / "out"
-    assert run_extract(tiny_model, data, out, 0, 1, "--max-length", "64").returncode == 0
+    assert run_extract(tiny_model, data, out, 0, 1, "--max-length", "64", "--overlong", "truncate").returncode == 0
     (sample,) = hsextract.read_samples(out)
     assert len(sample["input_ids"]) == 64 and sample["loss_mask"][-1] == 1
 

@@ -152,22 +152,35 @@ def test_truncate_keeps_the_first_max_length_tokens(tokenizers, which):
     first_supervised = full.loss_mask.index(1)
     limit = first_supervised + 6
     assert limit < len(full)
-    cut = encoder(tok, max_length=limit).encode(chat(LONG_CHAT))
+    cut = encoder(tok, max_length=limit, overlong="truncate").encode(chat(LONG_CHAT))
     assert cut == Tokenized("c", full.input_ids[:limit], full.loss_mask[:limit])
     # exactly at the limit nothing is cut
-    assert encoder(tok, max_length=len(full)).encode(chat(LONG_CHAT)) == full
+    assert encoder(tok, max_length=len(full), overlong="truncate").encode(chat(LONG_CHAT)) == full
 
 
 def test_truncate_that_removes_every_assistant_token_is_rejected(marker_tok):
     full = encoder(marker_tok).encode(chat(LONG_CHAT))
     limit = full.loss_mask.index(1)  # cut right before the first supervised token
-    result = encoder(marker_tok, max_length=limit).encode(chat(LONG_CHAT))
+    result = encoder(marker_tok, max_length=limit, overlong="truncate").encode(chat(LONG_CHAT))
     assert isinstance(result, Rejected) and result.reason == "no_assistant_tokens"
 
 
 def test_truncate_leaving_one_supervised_token_is_too_few(marker_tok):
-    result = encoder(marker_tok, max_length=3).encode(pretok([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]))
+    result = encoder(marker_tok, max_length=3, overlong="truncate").encode(pretok([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]))
     assert isinstance(result, Rejected) and result.reason == "too_few_supervised"
+
+
+def test_skip_is_the_default_policy_and_a_huge_text_is_not_tokenized(marker_tok):
+    from hsextract.chat import BYTES_PER_TOKEN
+
+    huge = chat([{"role": "user", "content": "ka " * 400}, {"role": "assistant", "content": "lo " * 400}])
+    result = encoder(marker_tok, max_length=20).encode(huge)
+    assert isinstance(result, Rejected) and result.reason == "too_long"
+    assert f"over {20 * BYTES_PER_TOKEN} (--max-length 20 x {BYTES_PER_TOKEN}): not tokenized" in result.detail
+    # truncate: the text is cut at the cap first, and the first 20 tokens are those of the whole conversation
+    cut = encoder(marker_tok, max_length=20, overlong="truncate").encode(huge)
+    whole = encoder(marker_tok).encode(huge)
+    assert isinstance(cut, Rejected) or cut.input_ids == whole.input_ids[:20]
 
 
 def test_skip_policy_rejects_too_long(marker_tok):
