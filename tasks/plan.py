@@ -244,7 +244,9 @@ def check_recipe(state: OutputState, options: WorkerOptions, p: dict, where: str
     except UsageError as exc:
         raise RecipeMismatch(f"layers={options.layers!r}: {exc} (the output's model has "
                              f"{recorded.num_model_layers} layers)") from None
-    if options.dtype != "auto":
+    if options.synthetic is not None:
+        dtype = "bfloat16"  # what the synthetic worker writes, on any device
+    elif options.dtype != "auto":
         dtype = options.dtype
     elif options.device == "cpu" or options.device.startswith("cuda"):
         dtype = "float32" if options.device == "cpu" else "bfloat16"  # as the worker resolves "auto"

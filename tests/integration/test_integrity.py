@@ -301,7 +301,7 @@ def test_fsck_lists_every_problem_and_repair_loses_no_good_sample(tiny_model, da
     found = fsck_cli(out, "--verify")
     assert found.returncode == 1, found.stdout + found.stderr
     said = found.stdout
-    for expected in (f"{files0[0].name}: journaled, but not there", f"{files0[1].name}: xxh3",
+    for expected in (f"{files0[0].name}: journaled, but not there", f"{files0[1].name}: checksum mismatch, xxh3",
                      f"{files1[0].name}: 500 bytes", "batch-000099.safetensors: a batch file no journal names",
                      ".batch-000100.safetensors.tmp: a temp file", f"journal.jsonl:{torn_at + 1}: line does not parse",
                      f"{SUCCESS_NAME}: the output is sealed, and the seal does not hold"):
