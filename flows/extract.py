@@ -241,10 +241,14 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
     if error := unreconciled(plan, summary["reconcile"], params, log):
         return failed(plan, board, error, "failed: samples missing")
     checked = summary["reconcile"]
-    if checked["expected"] == 0 or len(checked["recipes"]) > 1:  # not one dataset: no re-run can help
+    if checked["expected"] == 0 or len(checked["recipes"]) > 1 or checked["changed"]:  # no re-run can help
         why = ("the dataset has no samples: nothing was extracted, nothing sealed" if checked["expected"] == 0 else
                f"the output holds {len(checked['recipes'])} recipes ({', '.join(checked['recipes'])}): not one "
-               f"dataset, not sealed; `hsextract fsck {params['output']}` lists which files are which")
+               f"dataset, not sealed; `hsextract fsck {params['output']}` lists which files are which"
+               if len(checked["recipes"]) > 1 else
+               f"{checked['changed']} record(s) of {params['data']} are not the records their stored samples were "
+               f"made from (e.g. {', '.join(checked['changed_ids'][:3])}): the dataset changed, or another one "
+               f"reuses its ids; not sealed. A changed dataset takes a new output")
         log.error("run %s: %s", plan.run, why)
         return failed(plan, board, RunIncomplete(f"run {plan.run}: {why}"), "failed: not one dataset")
     return completed(plan, board, summary, f"{summary['reconcile']['done']} sample(s) stored and reconciled",

@@ -2,7 +2,9 @@
 
 `reconcile_output` scans the output (`hsextract.store.scan`: every shard journal, and the listing of every
 stored object), then accounts for each of the dataset's sample ids: done (in a stored object whose size and
-checksum match its journal entry), skipped (by reason), or missing. Samples stored twice resolve to one copy
+checksum match its journal entry), skipped (by reason), or missing; given each record's digest too (with
+`verify`), a stored sample whose record changed under its id since is counted `changed`, and the output is
+not complete. Samples stored twice resolve to one copy
 in the index. The seal is true or absent: an output found incomplete, or holding more than one recipe, loses
 its `_SUCCESS` and `_index.jsonl` first (a stale seal is never trusted). Only when nothing is missing does it
 write the index (one line per sample: id -> file, row, token offsets) and claim `_SUCCESS` with a create-only
@@ -27,7 +29,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from hsextract.journal import INDEX_NAME, JOURNAL_NAME, SUCCESS_NAME, UNSEALED_NAME, line
-from hsextract.records import iter_ids
+from hsextract.records import iter_digests, iter_ids
 from hsextract.sharding import shard_of
 from hsextract.store import Store, scan
 
@@ -56,6 +58,7 @@ class Report:
     duplicated: int = 0                  # samples with more than one good stored copy (index keeps one)
     skipped: Counter = field(default_factory=Counter)  # reason -> samples
     missing_ids: dict[int, list[str]] = field(default_factory=dict)  # shard -> ids to re-run
+    changed_ids: list[str] = field(default_factory=list)  # stored, but their record changed under the id since
     missing_objects: list[str] = field(default_factory=list)  # journaled but not stored
     corrupt_objects: list[str] = field(default_factory=list)  # stored, but size/checksum differ from journal
     unjournaled_objects: int = 0         # batch files no journal names (half-done writes; ignored)
@@ -84,9 +87,9 @@ class Report:
 
     @property
     def complete(self) -> bool:
-        """Nothing missing, one recipe, and something to account for (the run can be sealed: an empty dataset
-        is no success)."""
-        return self.missing == 0 and not self.mixed and self.expected > 0
+        """Nothing missing or changed, one recipe, and something to account for (the run can be sealed: an
+        empty dataset is no success)."""
+        return self.missing == 0 and not self.changed_ids and not self.mixed and self.expected > 0
 
     @property
     def shards_to_rerun(self) -> list[int]:
@@ -96,7 +99,8 @@ class Report:
     def summary(self) -> dict:
         """The report as JSON-able numbers (the task's result, and the _SUCCESS marker's body)."""
         return {"num_shards": self.num_shards, "expected": self.expected, "done": self.done,
-                "missing": self.missing, "duplicated": self.duplicated, "skipped": dict(self.skipped),
+                "missing": self.missing, "changed": len(self.changed_ids),
+                "changed_ids": self.changed_ids[:20], "duplicated": self.duplicated, "skipped": dict(self.skipped),
                 "missing_objects": len(self.missing_objects), "corrupt_objects": len(self.corrupt_objects),
                 "unjournaled_objects": self.unjournaled_objects, "shards_to_rerun": self.shards_to_rerun,
                 "complete": self.complete, "sealed": self.sealed, "already_sealed": self.already_sealed,
@@ -118,6 +122,12 @@ class Report:
             lines.append(f"**Mixed recipes** ({len(self.recipes)}): " + "; ".join(
                 f"`{fp}` in {', '.join(dirs[:5])}" for fp, dirs in self.recipes.items())
                 + ". Not one dataset: `hsextract fsck` lists which files are which.")
+        if self.changed_ids:
+            lines.append(f"**Changed records** ({len(self.changed_ids)}): the dataset's records under "
+                         + ", ".join(f"`{i}`" for i in self.changed_ids[:20]) + (" ..." if len(self.changed_ids) > 20
+                                                                                  else "")
+                         + " are not the ones their stored samples were made from. A changed dataset takes a new "
+                           "output.")
         if self.shards_to_rerun:
             lines.append(f"Shards to re-run: {self.shards_to_rerun}")
         seal = (f"_SUCCESS written (generation {self.generation})" if self.sealed else
@@ -131,10 +141,12 @@ class Report:
         return [{"shard": s, **r.row()} for s, r in sorted(self.shards.items())]
 
 
-def reconcile_output(store: Store, dataset_ids: Iterable[str], num_shards: int, seal: bool = True,
-                     retract: bool = False, verify: bool = False) -> Report:
+def reconcile_output(store: Store, dataset_ids: Iterable[str | tuple[str, str | None]], num_shards: int,
+                     seal: bool = True, retract: bool = False, verify: bool = False) -> Report:
     """Account for every dataset id; write the index and claim `_SUCCESS` when nothing is missing.
 
+    `dataset_ids`: ids, or (id, record digest) pairs (`records.iter_digests`): then a stored sample whose
+    journaled record digest differs is `changed`, and the output not complete.
     `verify`: compare each batch file's sha256 too, not only its size (local files are read, the opt-in; on S3
     always: the sha256 S3 verified at upload and holds with the object, one HEAD each, no object read).
     `retract`: append a `lost` entry to the journal of every missing or corrupt object, so the next run of its
@@ -154,9 +166,10 @@ def reconcile_output(store: Store, dataset_ids: Iterable[str], num_shards: int, 
     journaled = {f"{shard}/{entry['file']}" for shard, entry in state.files} | {f"{s}/{n}" for s, n in state.lost}
     report.unjournaled_objects = sum(1 for k in state.objects if k.endswith(".safetensors") and k not in journaled)
     report.duplicated = sum(1 for n in copies.values() if n > 1)
-    seen = _account(report, dataset_ids, where, state.skipped)
+    seen = _account(report, dataset_ids, where, state.skipped, state.sources)
     if seal and not report.complete and not report.unsealed:
-        report.unsealed = _unseal(store, state, previous, f"{report.missing} sample(s) missing")
+        report.unsealed = _unseal(store, state, previous, f"{report.missing} sample(s) missing" if report.missing
+                                  else f"{len(report.changed_ids)} record(s) changed under their ids")
     elif report.complete and seal:
         _seal(store, state, report, [(i, spot) for i, spot in where.items() if i in seen], started, previous)
     report.seconds = time.monotonic() - started
@@ -204,11 +217,14 @@ def _locate(state, report: Report):
     return where, copies, lost
 
 
-def _account(report: Report, dataset_ids: Iterable[str], where: dict, skipped: dict[str, str]) -> set[str]:
-    """Count each distinct dataset id, per shard, as done, skipped or missing; returns the ids seen."""
+def _account(report: Report, dataset_ids: Iterable[str | tuple[str, str | None]], where: dict,
+             skipped: dict[str, str], sources: dict[str, str]) -> set[str]:
+    """Count each distinct dataset id, per shard, as done, skipped or missing (and a stored one whose record
+    digest, where given, differs from the journal's as changed); returns the ids seen."""
     seen: set[str] = set()
     missing: dict[int, list[str]] = defaultdict(list)
-    for sample_id in dataset_ids:
+    for item in dataset_ids:
+        sample_id, digest = item if isinstance(item, tuple) else (item, None)
         if sample_id in seen:
             continue  # a repeated id in the dataset is one sample (the worker skips the repeats)
         seen.add(sample_id)
@@ -217,6 +233,8 @@ def _account(report: Report, dataset_ids: Iterable[str], where: dict, skipped: d
         row.expected += 1
         if sample_id in where:
             row.done += 1
+            if digest and sources.get(sample_id) and sources[sample_id] != digest:
+                report.changed_ids.append(sample_id)
         elif sample_id in skipped:
             row.skipped[skipped[sample_id]] += 1
             report.skipped[skipped[sample_id]] += 1
@@ -278,10 +296,12 @@ def dataset_ids(path: str | Path) -> Iterator[str]:
 def reconcile_dataset(store: Store, data: str, num_shards: int, verify: bool = False, retract: bool = True,
                       artifact_key: str | None = None) -> Report:
     """Reconcile an output against a dataset readable from here; publish the table and the summary as
-    artifacts under `artifact_key` (inside a run)."""
+    artifacts under `artifact_key` (inside a run). `verify`: the full check: every stored file's bytes, and every
+    record's content against the digest its samples were journaled with (ids alone otherwise)."""
     if not Path(data).exists():
         raise FileNotFoundError(f"reconcile: dataset {data!r} is not readable from the orchestrator")
-    report = reconcile_output(store, dataset_ids(data), num_shards, retract=retract, verify=verify)
+    ids = iter_digests(data) if verify else dataset_ids(data)
+    report = reconcile_output(store, ids, num_shards, retract=retract, verify=verify)
     if artifact_key:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 

@@ -110,6 +110,14 @@ def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
         yield (record_id(obj) if isinstance(obj, dict) else malformed_id(row)), row
 
 
+def iter_digests(path: str | Path) -> Iterator[tuple[str, str | None]]:
+    """(sample id, `Record.digest`) of every row, in file order (None for a row that cannot be a sample): what
+    reconcile compares with the journal's `records_xxh3` to find a record changed under its id. Reads and
+    parses every record whole, unlike `iter_ids`."""
+    for item in iter_records(path):
+        yield item.id, (item.digest if isinstance(item, Record) else None)
+
+
 def parse_line(raw: bytes | str, line_no: int) -> Record | Bad:
     """One JSONL line as a `Record`, or a `Bad` saying why it cannot be a sample."""
     obj = _loaded(raw, line_no)

@@ -431,3 +431,38 @@ def test_a_dataset_whose_records_changed_under_their_ids_is_refused(tiny_model, 
     refused = run_extract(tiny_model, other, out, 0, 1)
     assert refused.returncode == 2 and f"{rows[5]['id']} (line 6)" in refused.stderr, refused.stderr
     assert "new output" in refused.stderr and snapshot(out) == before
+    # reconcile tells it too: by content with the full check, by ids alone (the default) it cannot
+    from hsextract.records import iter_digests
+    from hsextract.store import LocalStore
+    from tasks.reconcile import SUCCESS_NAME, UNSEALED_NAME, dataset_ids, reconcile_output
+
+    assert reconcile_output(LocalStore(out), dataset_ids(other), 1).sealed
+    found = reconcile_output(LocalStore(out), iter_digests(other), 1, verify=True)
+    assert found.changed_ids == [rows[5]["id"]] and not found.complete and found.unsealed and found.missing == 0
+    assert not (out / SUCCESS_NAME).exists() and "1 record(s) changed" in (out / UNSEALED_NAME).read_text()
+    assert "Changed records** (1)" in found.markdown() and found.summary()["changed"] == 1
+    assert reconcile_output(LocalStore(out), iter_digests(data), 1, verify=True).sealed  # its own dataset: sealed
+
+
+def test_the_flow_fails_a_complete_output_whose_dataset_changed_under_its_ids(prefect_server, tiny_model, data,
+                                                                               tmp_path):
+    """Every shard already complete: no worker runs to notice; the flow's full reconcile does."""
+    from flows.extract import extract
+    from harness.inventory import write_inventory
+
+    out = tmp_path / "out"
+    for shard in range(2):
+        assert run_extract(tiny_model, data, out, shard, 2, layers="dflash:3").returncode == 0
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[7]["messages"][0]["content"] = "another question"
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hosts = write_inventory(tmp_path / "hosts.yaml", [{"name": "local", "hostname": "local", "gpus": [0],
+                                                       "workdir": str(tmp_path / "w"), "python": sys.executable}])
+    state = extract(return_state=True, model=str(tiny_model), data=str(other), output=f"file://{out}",
+                    hosts=str(hosts), num_shards=2, layers="dflash:3", verify_checksums=True,
+                    heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
+                    host_timeout_s=10)
+    assert state.is_failed(), state.message
+    assert f"1 record(s) of {other} are not the records" in state.message and rows[7]["id"] in state.message
+    assert "new output" in state.message and not (out / "_SUCCESS").exists()
