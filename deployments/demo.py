@@ -55,8 +55,9 @@ def main() -> int:
     found = hsextract("inspect", "--verify", output)
     print(f"\nrun {summary['run_name']}: shards {summary['shards']}")
     rec = summary.get("reconcile", {})
+    seal = "written" if rec.get("sealed") else "already there" if rec.get("already_sealed") else "NOT written"
     print(f"reconcile: {rec.get('done')} of {rec.get('expected')} samples stored, {rec.get('skipped')} skipped, "
-          f"{rec.get('missing')} missing; _SUCCESS {'written' if rec.get('sealed') else 'already there' if rec.get('already_sealed') else 'NOT written'}")
+          f"{rec.get('missing')} missing; _SUCCESS {seal}")
     print(f"{found['samples']} samples ({found['skipped']} skipped), {found['tokens_in_files']} tokens, "
           f"{found['files']} files, {found['bytes'] / 1e6:.1f} MB, checksums verified, under {found['out']}")
     print("read them:  .venv/bin/python -c \"import hsextract; s = next(hsextract.read_samples("

@@ -45,7 +45,7 @@ class PrefectServer:
         return {"PREFECT_API_URL": self.url, "PREFECT_UI_URL": self.ui_url, "PREFECT_HOME": str(self.home),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
-    def __enter__(self) -> "PrefectServer":
+    def __enter__(self) -> PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
         # the UI a browser loads asks /ui-settings where its API is: without PREFECT_UI_API_URL it says
         # http://127.0.0.1:4200/api whatever port the server listens on, and the page cannot connect

@@ -101,30 +101,37 @@ def rerun_parameters(source: str) -> dict:
     """RunDeployment parameters passing every flow parameter on. `source` "event": from the payload of
     `extract.run.incomplete` (which holds all of them); "flow_run": from the crashed run, defaults for the rest."""
     if source == "event":
-        return {name: "{{ event.payload.parameters.%s }}" % name for name in PARAMETERS}
+        return {name: f"{{{{ event.payload.parameters.{name} }}}}" for name in PARAMETERS}
     known = defaults()
     out = {}
     for name in PARAMETERS:
         if name == "rerun_depth":
             out[name] = "{{ (flow_run.parameters.get('rerun_depth', 0) + 1) }}"  # () binds before the tojson filter
         elif name in known:
-            out[name] = "{{ flow_run.parameters.get('%s', %r) }}" % (name, known[name])
+            out[name] = f"{{{{ flow_run.parameters.get('{name}', {known[name]!r}) }}}}"
         else:
-            out[name] = "{{ flow_run.parameters['%s'] }}" % name
+            out[name] = f"{{{{ flow_run.parameters['{name}'] }}}}"
     return out
 
 
 def automations(rerun_delay: timedelta = timedelta(0), zombie_after: timedelta = ZOMBIE_AFTER) -> list:
     """The three automations (re-run incomplete shards, mark silent runs Crashed, re-run Crashed runs)."""
-    from prefect.automations import (Automation, ChangeFlowRunState, EventTrigger, Posture, ResourceSpecification,
-                                     RunDeployment)
+    from prefect.automations import (
+        Automation,
+        ChangeFlowRunState,
+        EventTrigger,
+        Posture,
+        ResourceSpecification,
+        RunDeployment,
+    )
     from prefect.client.schemas.objects import StateType
 
     incomplete = Automation(
         name=AUTOMATIONS[0],
         description="A failed extract run with shards under the attempt cap asked for a re-run: run exactly "
                     "those shards on the same deployment with the same parameters.",
-        trigger=EventTrigger(expect={RERUN_EVENT}, match=ResourceSpecification({"prefect.resource.id": "hsextract.run.*"}),
+        trigger=EventTrigger(expect={RERUN_EVENT},
+                             match=ResourceSpecification({"prefect.resource.id": "hsextract.run.*"}),
                              posture=Posture.Reactive, threshold=1, within=timedelta(0)),
         actions=[RunDeployment(source="inferred", parameters=rerun_parameters("event"), schedule_after=rerun_delay)])
     zombies = Automation(

@@ -18,19 +18,26 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from hsextract.options import (CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM,
-                               WorkerOptions as W)
+from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM
+from hsextract.options import WorkerOptions as W
 from tasks.board import Board, run_key
-from tasks.cancel import (Cancel, cancel_signals, cancelled, flow_run_label, hold_if_cancelled,
-                          hold_stopped_shards, stop_on_cancellation)
+from tasks.cancel import (
+    Cancel,
+    cancel_signals,
+    cancelled,
+    flow_run_label,
+    hold_if_cancelled,
+    hold_stopped_shards,
+    stop_on_cancellation,
+)
 from tasks.commands import RUN_NAME_PATTERN
 from tasks.deploy import deploy_hosts
 from tasks.failures import Failure
+from tasks.monitor import HostPool
 from tasks.orphans import close_orphans
 from tasks.plan import ROOT, RunIncomplete, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
 from tasks.rerun import completed, failed, incomplete, related_resources, unreconciled
-from tasks.monitor import HostPool
 from tasks.slots import run_shards
 from tasks.stage import dataset_here, settle_manifests
 
@@ -159,7 +166,8 @@ def extract(
     params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
     log = get_run_logger()
     if preflight != "off":
-        from flows.preflight import PREFLIGHT_PARAMETERS, preflight as preflight_flow
+        from flows.preflight import PREFLIGHT_PARAMETERS
+        from flows.preflight import preflight as preflight_flow
 
         checked = preflight_flow(**{k: params[k] for k in PREFLIGHT_PARAMETERS}, benchmark=benchmark,
                                  return_state=True)

@@ -25,12 +25,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from flows.extract import LayerSpec, OutputUri, Positive
-from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM, WorkerOptions as W
+from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM
+from hsextract.options import WorkerOptions as W
 from tasks.board import run_key
 from tasks.bundle import build_bundle
 from tasks.credentials import load_access
 from tasks.plan import ROOT, resolve_inventory, run_name_of, worker_options, worker_version
-from tasks.preflight import (CHECKS, HostReport, bytes_per_token, check_host, gib, judge_disk, plan_figures)
+from tasks.preflight import CHECKS, HostReport, bytes_per_token, check_host, gib, judge_disk, plan_figures
 from tasks.stage import resolve_sources
 
 __all__ = ["PREFLIGHT_PARAMETERS", "preflight"]

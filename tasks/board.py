@@ -26,8 +26,12 @@ import time
 from dataclasses import dataclass, field
 
 from prefect import get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, \
-    update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.events import emit_event
 
 from .attempts import AttemptRecord
@@ -318,7 +322,7 @@ class Board:
             self.publish()
             time.sleep(0.5)  # coalesce a burst of state changes into one update
 
-    def __enter__(self) -> "Board":
+    def __enter__(self) -> Board:
         self.publish()
         self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,),
                                         name="hsextract-board", daemon=True)

@@ -77,11 +77,13 @@ def unpack_bundle_cmd(workdir: str, bundle_sha256: str, nonce: str) -> str:
     d = bundle_dir(workdir, bundle_sha256)
     tar, part = bundle_tarball(workdir, bundle_sha256, nonce), f"{d}.partial.{nonce}"
     return (f"printf 'SHA256 %s\\n' \"$(sha256sum {quote(tar)} | cut -d' ' -f1)\" && "
-            f"echo {quote(bundle_sha256 + '  ' + tar)} | sha256sum -c --status || {{ echo 'HASH MISMATCH'; rm -f {quote(tar)}; exit 3; }}; "
+            f"echo {quote(bundle_sha256 + '  ' + tar)} | sha256sum -c --status "
+            f"|| {{ echo 'HASH MISMATCH'; rm -f {quote(tar)}; exit 3; }}; "
             f"rm -rf {quote(part)} && mkdir -p {quote(part)} && "
             f"tar --no-same-owner --no-same-permissions -xzf {quote(tar)} -C {quote(part)} && rm -f {quote(tar)} && "
             f"printf '%s' {quote(bundle_sha256)} > {quote(part + '/.complete')} && "
-            f"{{ mv -T {quote(part)} {quote(d)} 2>/dev/null || {{ test -f {quote(d + '/.complete')} && rm -rf {quote(part)}; }} || "
+            f"{{ mv -T {quote(part)} {quote(d)} 2>/dev/null "
+            f"|| {{ test -f {quote(d + '/.complete')} && rm -rf {quote(part)}; }} || "
             f"{{ rm -rf {quote(d)} && mv -T {quote(part)} {quote(d)}; }}; }}")
 
 

@@ -100,10 +100,10 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
             raise DeployFailed(f"host {host.name}: `{python} -m hsextract --version` did not prove the bundle: "
                                f"{said(check)}\n"
                                f"(expected 'BUNDLE {bundle.sha256}' and 'hsextract {version}'); " + check.describe())
-    if skipped and (line := next((l for l in check.stdout.splitlines() if l.startswith("ENV ")), None)):
+    if skipped and (line := next((ln for ln in check.stdout.splitlines() if ln.startswith("ENV ")), None)):
         return Deployed(host.name, bundle.sha256, version, line[4:], True, round(time.monotonic() - started, 3))
     env = host.run(env_check_cmd(python, host.spec.workdir, bundle.sha256, synthetic), timeout)
-    line = next((l for l in env.stdout.splitlines() if l.startswith("ENV ")), None)
+    line = next((ln for ln in env.stdout.splitlines() if ln.startswith("ENV ")), None)
     if not env.ok or line is None:
         what = "the synthetic worker" if synthetic else "the worker's packages (torch, transformers, safetensors)"
         raise DeployFailed(f"host {host.name}: its python cannot import {what}: {said(env)}\n" + env.describe())
@@ -114,7 +114,7 @@ def preflight_host(host: Host, bundle_sha256: str, options: list[str], timeout: 
     """`hsextract check` on `host` with a shard's worker `options`: what it found (model type, layers...);
     DeployFailed(mistake=True) naming the problem when a shard could not run there."""
     result = host.run(preflight_cmd(host.spec.workdir, bundle_sha256, host.spec.python, options), timeout)
-    line = next((l for l in result.stdout.splitlines() if l.startswith("CHECK ")), None)
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("CHECK ")), None)
     if result.ok and line is not None:
         return json.loads(line[6:])
     problem = last_line(result.stderr).removeprefix("hsextract: ")

@@ -74,7 +74,7 @@ class Inventory(BaseModel):
     accept_unknown_host_keys: bool = False
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "Inventory":
+    def _unique_names(self) -> Inventory:
         names = [h.name for h in self.hosts]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

@@ -132,7 +132,7 @@ class HostMonitor:
 class ShardWatch:
     """One shard's readings from its host's monitor (what supervise judges)."""
 
-    def __init__(self, pool: "HostPool", job, launching: bool = False):
+    def __init__(self, pool: HostPool, job, launching: bool = False):
         self.job, self.host = job, pool.host(job.host)
         self.monitor = pool.monitor(job.host)
         self.timeout_s = pool.timeout_s
@@ -252,7 +252,7 @@ class HostPool:
         for host in hosts:
             host.close()
 
-    def __enter__(self) -> "HostPool":
+    def __enter__(self) -> HostPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,7 +9,7 @@ that took over.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .plan import run_name_of
 
@@ -21,9 +21,17 @@ def close_orphaned_task_runs(client, run: str, run_name_of: Callable[[dict], str
                              flow_name: str = "extract", limit: int = 200) -> list[str]:
     """Set Crashed every Pending/Running task run of a finished (Crashed, Failed, ...) flow run of `flow_name`
     whose run name (`run_name_of(parameters)`) is `run`. Returns "task run name (flow run name)" per closed run."""
-    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId,
-                                                FlowRunFilterState, FlowRunFilterStateType, TaskRunFilter,
-                                                TaskRunFilterState, TaskRunFilterStateType)
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.sorting import FlowRunSort
     from prefect.states import Crashed

@@ -186,7 +186,7 @@ def _worker_checks(host: Host, report: HostReport, bundle: Bundle, options: Work
         given = access_on(host, access, f"{spec.workdir}/preflight/credentials-{uuid.uuid4().hex[:12]}", timeout)
     with given as (extra, env):
         result = host.run(env + preflight_cmd(spec.workdir, bundle.sha256, spec.python, args + extra), timeout)
-    line = next((l for l in result.stdout.splitlines() if l.startswith("CHECK ")), None)
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("CHECK ")), None)
     if line is None:
         for name in ("model", "dataset", "output"):
             report.set(name, "fail", f"`hsextract check` gave no verdict: {one_line(said(result))}")
@@ -199,7 +199,8 @@ def _worker_checks(host: Host, report: HostReport, bundle: Bundle, options: Work
             report.set(name, "fail", got["error"])
     if "error" not in model:
         report.set("model", "ok", f"{model['model_type']}, {model['num_layers']} layers (hidden "
-                                  f"{model['hidden_size']}), capture {model['layers']}, weights {gib(model['model_bytes'])}")
+                                  f"{model['hidden_size']}), capture {model['layers']}, "
+                                  f"weights {gib(model['model_bytes'])}")
     if "error" not in data:
         report.set("dataset", "ok", f"{gib(data['data_bytes'])}" + (
             f", {data['samples']:,} samples, ~{data['tokens']:,} tokens ({'all' if data['exact'] else data['sampled']}"
@@ -261,7 +262,7 @@ def _benchmark(host: Host, report: HostReport, bundle: Bundle, options: WorkerOp
     except HostError as exc:
         report.set("benchmark", "fail", one_line(str(exc)))
         return
-    line = next((l for l in reversed(result.stdout.splitlines()) if l.startswith("SUMMARY ")), None)
+    line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith("SUMMARY ")), None)
     if not result.ok or line is None:
         report.set("benchmark", "fail", f"the worker failed (exit {result.returncode}): "
                                         f"{one_line(last_line(result.stderr) or last_line(result.stdout))}")

@@ -34,7 +34,6 @@ from hsextract.sharding import shard_of
 from hsextract.store import Store, scan
 
 
-
 @dataclass
 class ShardReport:
     """One shard's samples: expected by the dataset, done, missing, skipped by reason."""

@@ -27,8 +27,8 @@ from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, pars
 from .credentials import CREDENTIALS_FILE, load_access
 from .failures import Failure, last_line, one_line
 from .hosts import Host, HostError, Result, connect, tail
-from .monitor import LAUNCH_POLL_S, DirectWatch, HostPool, probe
 from .inventory import HostSpec, Inventory
+from .monitor import LAUNCH_POLL_S, DirectWatch, HostPool, probe
 
 
 class ShardFailed(Exception):
@@ -67,7 +67,7 @@ class ShardStopped(Exception):
         return f"{self.kind}: {self.why}"
 
     @classmethod
-    def parse(cls, message: str) -> "ShardStopped":
+    def parse(cls, message: str) -> ShardStopped:
         """Back from its `str` (a Cancelled task run's message)."""
         kind, _, why = message.partition(": ")
         return cls(kind if kind in STOP_KINDS else "cancelled", why or message)
@@ -90,7 +90,7 @@ class ShardJob:
     @classmethod
     def on(cls, run: str, spec: HostSpec, gpu: int, bundle_sha256: str, options: WorkerOptions, shard: int,
            num_shards: int, *, python: str | None = None, aws_credentials: str | None = None,
-           credentials_file: bool = False, env: tuple[tuple[str, str], ...] = ()) -> "ShardJob":
+           credentials_file: bool = False, env: tuple[tuple[str, str], ...] = ()) -> ShardJob:
         """Shard `shard` of `num_shards` on `spec`'s GPU `gpu`: `options` (the run's, any shard) with this shard's
         index and directories: its control dir under the host's workdir is the worker's status dir, with an
         s3:// output its spool is in there too, and so is the credentials file when the block has keys."""

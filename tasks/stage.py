@@ -29,8 +29,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsextract.options import WorkerOptions
-from hsextract.sources import (PRUNE_AFTER_S, Cache, Manifest, StageError, local_manifest, manifest_uri, s3_manifest,
-                               write_s3_manifest)
+from hsextract.sources import (
+    PRUNE_AFTER_S,
+    Cache,
+    Manifest,
+    StageError,
+    local_manifest,
+    manifest_uri,
+    s3_manifest,
+    write_s3_manifest,
+)
 
 from .commands import hsextract_cmd, quote
 from .credentials import S3Access, access_on
@@ -128,7 +136,7 @@ def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifests: list[str]
 
 def _run_stage(host: Host, command: str, timeout: float, what: str) -> list[dict] | dict:
     result = host.run(command, timeout)
-    line = next((l for l in result.stdout.splitlines() if l.startswith("STAGE ")), None)
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("STAGE ")), None)
     if result.ok and line is not None:
         return json.loads(line[6:])
     raise StageFailed(f"host {host.name}: staging {what}: {said(result).removeprefix('hsextract: ')}",

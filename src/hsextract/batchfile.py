@@ -20,7 +20,6 @@ from .errors import CorruptOutput
 from .payload import DATA_CHECKSUM, FORMAT_VERSION, Entry, Payload, WrittenFile, layout, write_payload
 from .quant import FP8_ENCODING, SCALE_KEY, dequantize
 
-
 # safetensors' dtype names of the torch dtypes a batch file may hold
 DTYPE_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
                torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -107,7 +106,8 @@ class BatchFile:
         self._handle = safe_open(str(self.path), framework="pt")
         meta = self._handle.metadata() or {}
         if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{self.path}: not an hsextract batch file (format_version={meta.get('format_version')!r})")
+            version = meta.get("format_version")
+            raise ValueError(f"{self.path}: not an hsextract batch file (format_version={version!r})")
         self.metadata = meta
         self.sample_ids: list[str] = json.loads(meta["sample_ids"])
         self.layer_ids: list[int] = json.loads(meta["layer_ids"])
@@ -152,7 +152,7 @@ class LoadedBatch:
         self.path: Path | None = None  # the file `data` maps (`mapped`)
 
     @classmethod
-    def mapped(cls, path: Path, where: str | None = None, check=None) -> "LoadedBatch":
+    def mapped(cls, path: Path, where: str | None = None, check=None) -> LoadedBatch:
         """A local file's tensors as views of its pages, mapped copy-on-write (a write stays in this process);
         `check(buffer)` sees the file's bytes first (`check_bytes`)."""
         pages = map_pages(path)

@@ -38,6 +38,7 @@ import torch
 
 from .errors import UsageError
 from .options import EXPORT_FORMATS as FORMATS
+
 INDEX = "index.jsonl"
 SUMMARY = "export.json"
 SCRATCH = ".partial"  # temp files of a run in progress: cleared when a run starts, removed when it completes
@@ -55,7 +56,7 @@ class Source:
     model: str
 
     @classmethod
-    def of(cls, batch) -> "Source":
+    def of(cls, batch) -> Source:
         meta = batch.metadata
         return cls(json.loads(meta["layer_ids"]), int(meta["num_model_layers"]), int(meta["hidden_size"]),
                    batch.has_last, meta.get("model", ""))
@@ -203,7 +204,8 @@ class Speculators(Layout):
         try:
             import datasets
         except ImportError:
-            raise UsageError("--format speculators needs the `datasets` package: pip install 'hsextract[export]'")
+            raise UsageError("--format speculators needs the `datasets` package: pip install 'hsextract[export]'") \
+                from None
         from datasets.arrow_writer import ArrowWriter
 
         freq: Counter = Counter()
@@ -272,7 +274,7 @@ class Done:
     skipped: Counter
 
     @classmethod
-    def read(cls, dest: Path) -> "Done":
+    def read(cls, dest: Path) -> Done:
         done = cls(set(), 0, Counter())
         path = dest / INDEX
         if not path.exists():

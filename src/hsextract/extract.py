@@ -26,10 +26,10 @@ from .liveness import Heartbeat, Progress
 from .options import WorkerOptions
 from .payload import Prepared
 from .preflight import read_model_info
-from .prewarm import SHORTEST, Prewarm, WarmThread, mark_tuned, tuned_marker
 from .preload import Preload, start_preload
-from .readahead import ReadAhead
+from .prewarm import SHORTEST, Prewarm, WarmThread, mark_tuned, tuned_marker
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize
+from .readahead import ReadAhead
 from .recipe import recipe_of
 from .records import Bad, Record
 from .shard import Shard, drive
@@ -352,7 +352,7 @@ class ShardRun(Shard):
                 self.skip(sample.id, "nonfinite_states", "NaN or Inf in captured hidden states", counts_as_done=True)
         return [s for s, b in zip(batch, bad) if not b], {k: v[keep_T] for k, v in states.items()}
 
-    def prepare_file(self, batch: list[Tokenized], states: dict, hashed: bool = True) -> "Prepared":
+    def prepare_file(self, batch: list[Tokenized], states: dict, hashed: bool = True) -> Prepared:
         """Name (in order), lay out and (if `hashed`) hash one batch file: CPU work, no I/O, the states not
         copied."""
         name = f"batch-{self.next_seq:06d}.safetensors"

@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from .journal import FILE_NAME, INDEX_NAME, JOURNAL_NAME, SUCCESS_NAME, UNSEALED_NAME, intact_prefix, line
+from .journal import FILE_NAME, INDEX_NAME, SUCCESS_NAME, UNSEALED_NAME, intact_prefix, line
 from .store import Store, journal_keys, open_store
 
 

@@ -138,7 +138,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hsextract-heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         """Remove an earlier exit status, write the first heartbeat, start beating."""
         self.exit_path.unlink(missing_ok=True)  # a previous run's status must not be read as ours
         self.beat()

@@ -142,7 +142,7 @@ class WorkerOptions:
                                 default=None if meta["required"] else f.default)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "WorkerOptions":
+    def from_args(cls, args: argparse.Namespace) -> WorkerOptions:
         """The options argparse parsed (`add_arguments`'s flags)."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 

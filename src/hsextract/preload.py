@@ -134,7 +134,7 @@ class Preload:
         self._counting = threading.Lock()  # `bytes_read` and `waited`, counted by every reader
         self._thread = threading.Thread(target=self._run, name="hsextract-preload", daemon=True)
 
-    def start(self) -> "Preload":
+    def start(self) -> Preload:
         self._thread.start()
         return self
 

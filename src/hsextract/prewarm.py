@@ -142,7 +142,7 @@ class Prewarm:
 
     @classmethod
     def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str, dtype: torch.dtype,
-              procs: int, kernels: str = "default") -> "Prewarm":
+              procs: int, kernels: str = "default") -> Prewarm:
         """Launch up to `procs` children, each tuning its share of `sizes`; they inherit this process's
         environment (CUDA_VISIBLE_DEVICES, caches) and process group (a stop of the worker stops them)."""
         package_root = str(Path(__file__).resolve().parent.parent)
@@ -150,7 +150,7 @@ class Prewarm:
                                                            if p)}
         children = []
         ready = Path(tempfile.mkdtemp(prefix="hsextract-tune-")) / "first-size-done"
-        for i, share in enumerate(shares(sizes, procs)):
+        for share in shares(sizes, procs):
             cmd = [sys.executable, "-m", "hsextract.prewarm", "--model", str(model_dir), "--device", str(device),
                    "--dtype", str(dtype).removeprefix("torch."), "--token-budget", str(token_budget),
                    "--sizes", ",".join(map(str, share)), "--kernels", kernels]
@@ -219,7 +219,7 @@ class WarmThread:
 
     @classmethod
     def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str,
-              dtype: torch.dtype, kernels: str = "default") -> "WarmThread":
+              dtype: torch.dtype, kernels: str = "default") -> WarmThread:
         device = torch.device(device)
         modules, hidden_size = standalone_modules(model_dir, device, dtype, kernels)
         return cls(modules, sizes, token_budget, hidden_size, device, dtype)

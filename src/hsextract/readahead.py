@@ -128,7 +128,7 @@ class ReadAhead:
         self._moved = threading.Condition()  # notified as `_at` moves, and at the end
         self._thread = threading.Thread(target=self._run, name="hsextract-read-ahead", daemon=True)
 
-    def start(self) -> "ReadAhead":
+    def start(self) -> ReadAhead:
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch, READER_SWITCH_S))  # until `stop`: the load is done
         self._thread.start()

@@ -76,7 +76,7 @@ class Recipe:
         return {"fingerprint": self.fingerprint, **{k: _plain(v) for k, v in asdict(self).items()}}
 
     @classmethod
-    def from_json(cls, data: dict, where: str = "recipe") -> "Recipe":
+    def from_json(cls, data: dict, where: str = "recipe") -> Recipe:
         """A recipe as `to_json` wrote it; ValueError naming `where` when it is not one."""
         try:
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
@@ -85,7 +85,7 @@ class Recipe:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a recipe ({type(exc).__name__}: {exc})") from None
 
-    def differences(self, other: "Recipe", skip: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
+    def differences(self, other: Recipe, skip: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
         """(field, this value, the other's) of every identity field that differs (`skip`: fields left out)."""
         return [(name, getattr(self, name), getattr(other, name)) for name in IDENTITY
                 if name not in skip and _plain(getattr(self, name)) != _plain(getattr(other, name))]

@@ -216,7 +216,7 @@ class Shard:
             self.progress.samples_skipped += 1
             self.progress.samples_done += int(counts_as_done)
 
-    def write_file(self, prep: "Prepared") -> Unsealed | None:
+    def write_file(self, prep: Prepared) -> Unsealed | None:
         """Copy a prepared file into the page cache under its temp name (the disk catches up in `seal_file`);
         or, with --upload-from memory and room in its budget, hand its bytes to the uploader (None)."""
         if self.uploader and self.uploader.reserve_memory(prep.payload.size):
@@ -229,7 +229,7 @@ class Shard:
             self.uploader.raise_if_failed()
         return write_unsealed(self.opts.shard_dir / prep.name, prep.payload)
 
-    def seal_file(self, prep: "Prepared", unsealed: Unsealed) -> None:
+    def seal_file(self, prep: Prepared, unsealed: Unsealed) -> None:
         """Make a written file durable and put it in place, then journal it (the journal names only files
         that are durable) and queue its upload."""
         written = unsealed.seal()
@@ -242,7 +242,7 @@ class Shard:
             self.uploader.submit(entry, reserved=True)
 
     @staticmethod
-    def file_entry(prep: "Prepared", size: int, sha256: str, xxh3: str | None = None) -> dict:
+    def file_entry(prep: Prepared, size: int, sha256: str, xxh3: str | None = None) -> dict:
         """The journal entry of a written (or stored) file (with its samples' provenance, where known)."""
         return {"kind": "file", "file": prep.name, "ids": prep.ids, "tokens": sum(prep.lengths),
                 "lengths": prep.lengths, "bytes": size, "sha256": sha256, **({"xxh3": xxh3} if xxh3 else {}),

@@ -86,7 +86,7 @@ class Manifest:
                            "files": [asdict(e) for e in self.files]}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str, where: str = "manifest") -> "Manifest":
+    def from_json(cls, text: str, where: str = "manifest") -> Manifest:
         try:
             obj = json.loads(text)
             files = tuple(Entry(str(f["path"]), int(f["size"]), f.get("sha256"), f.get("etag")) for f in obj["files"])
@@ -102,7 +102,7 @@ class Manifest:
                 raise StageError(f"{where}: {e.path}: {e.sha256!r} is not a sha256")
         return cls(str(obj.get("source", "")), kind, files)
 
-    def with_digests(self, digests: dict[str, str]) -> "Manifest":
+    def with_digests(self, digests: dict[str, str]) -> Manifest:
         """This manifest with the digests of `digests` (path -> sha256) filled in."""
         return replace(self, files=tuple(replace(e, sha256=e.sha256 or digests.get(e.path)) for e in self.files))
 
@@ -249,7 +249,7 @@ class _Fetch:
     bucket: str
     key: str
     part: Path
-    done: "Fetched"
+    done: Fetched
     hash: object = None
 
 
@@ -488,7 +488,7 @@ class Cache:
             done.seconds = round(time.monotonic() - started, 3)
         return results
 
-    def _stream(self, client, todo: list["_Fetch"], host: str, threads: int, part_bytes: int) -> None:
+    def _stream(self, client, todo: list[_Fetch], host: str, threads: int, part_bytes: int) -> None:
         """Fetch the rest of every file of `todo` into its partial file, in order, hashing as it goes."""
         parts = []
         for f in todo:

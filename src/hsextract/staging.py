@@ -28,9 +28,9 @@ ALIGN = 256  # each tensor's offset in a set: any dtype's view, and the DMA engi
 class Staged:
     """A batch's tensors being copied to pinned host memory; `wait` for them, `release` the buffers after."""
     tensors: dict[str, torch.Tensor]
-    event: "torch.cuda.Event | None" = None
-    _slot: "PinnedSet | None" = None
-    _free: "queue.Queue | None" = field(default=None, repr=False)
+    event: torch.cuda.Event | None = None
+    _slot: PinnedSet | None = None
+    _free: queue.Queue | None = field(default=None, repr=False)
 
     def wait(self) -> dict[str, torch.Tensor]:
         """The host tensors, once their copy is complete."""

@@ -19,7 +19,7 @@ class ProgressReporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "ProgressReporter":
+    def start(self) -> ProgressReporter:
         """Start printing, from a thread of its own."""
         target = self._bar if self.mode == "bar" else self._log
         self._thread = threading.Thread(target=target, name="hsextract-progress", daemon=True)
@@ -38,7 +38,8 @@ class ProgressReporter:
             print(self.line(), flush=True)
 
     def _bar(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
 
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    TextColumn("{task.fields[rate]}"))

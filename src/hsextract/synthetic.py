@@ -29,8 +29,8 @@ from .options import WorkerOptions
 from .payload import Entry, Prepared, layout
 from .preflight import read_model_info
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token
-from .records import Bad, Record
 from .recipe import recipe_of
+from .records import Bad, Record
 from .shard import Shard, drive
 
 #: one pool of random bytes, repeated to the size of a batch's states (its bytes need not differ per file)

@@ -60,7 +60,7 @@ def build_tokenizer(out_dir: Path, generation_markers: bool = True, vocab_size: 
 
 def tiny_config(kind: str, vocab_size: int, num_layers: int = 8, hidden_size: int = 64):
     """A tiny transformers config of model family `kind` (random weights are made from it)."""
-    from transformers import LlamaConfig, Qwen3Config, Qwen3_5Config, Qwen3_5TextConfig
+    from transformers import LlamaConfig, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,

@@ -119,7 +119,8 @@ def upload_verified(client, path: Path | bytes, bucket: str, key: str, journal_s
     head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     stored = head.get("ChecksumSHA256", "")
     want = expected_checksum(full, parts, multipart)
-    if head["ContentLength"] != size or head.get("Metadata", {}).get("sha256") != full or not same_checksum(stored, want):
+    recorded = head.get("Metadata", {}).get("sha256")
+    if head["ContentLength"] != size or recorded != full or not same_checksum(stored, want):
         raise UploadMismatch(f"s3://{bucket}/{key}: stored {head['ContentLength']} bytes, checksum {stored or '-'}, "
                              f"metadata sha256 {head.get('Metadata', {}).get('sha256')}; sent {size} bytes, "
                              f"checksum {want}, sha256 {full}")

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .payload import Payload
 from .chat import Tokenized
+from .payload import Payload
 from .staging import HostStaging, staging_plan
 
 if TYPE_CHECKING:
