@@ -39,12 +39,11 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness.inventory import ssh_host_entry, write_inventory  # noqa: E402
-from harness.sshd import SshdFarm  # noqa: E402
+from harness.inventory import ssh_host_entry, write_inventory
+from harness.sshd import SshdFarm
 
-from flows.extract import extract  # noqa: E402
+from flows.extract import extract
 
 
 class ApiCalls:

@@ -17,9 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_throughput import batches, build_data, same_batches  # noqa: E402
+from gpu_throughput import batches, build_data, same_batches
 
 
 def main() -> int:

@@ -41,12 +41,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_throughput import SEED, build_data, build_model, worker  # noqa: E402
+from gpu_throughput import SEED, build_data, build_model, worker
 
-from hsextract.capture import LayerCapture  # noqa: E402
-from hsextract.layers import parse_layer_spec  # noqa: E402
+from hsextract.capture import LayerCapture
+from hsextract.layers import parse_layer_spec
 
 
 def drop_caches(_model_dir: Path | None = None) -> bool:

@@ -22,13 +22,12 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness.fleet import add_hosts, place_model, s3_for  # noqa: E402
-from harness.inventory import write_inventory  # noqa: E402
-from harness.sshd import SshdFarm  # noqa: E402
+from harness.fleet import add_hosts, place_model, s3_for
+from harness.inventory import write_inventory
+from harness.sshd import SshdFarm
 
-from flows.preflight import preflight  # noqa: E402
+from flows.preflight import preflight
 
 #: what the preflight must say, per injected problem: (check, words in its reason)
 EXPECT = {"nomodel": ("model", "no such directory"), "full": ("disk", "free on the workdir disk"),

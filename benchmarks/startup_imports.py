@@ -21,7 +21,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 STEPS = r"""
 import sys, time

@@ -25,10 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+from hsextract import tiny
 
-from hsextract import tiny  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def one_run(model: Path, data: Path, out: Path, device: str) -> dict:

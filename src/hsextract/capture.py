@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .preload import Preload
 
 
-def _decoder_backbone(model: nn.Module) -> nn.Module:
+def decoder_backbone(model: nn.Module) -> nn.Module:
     """The module holding `embed_tokens`, `layers` and `norm` (the text model inside any wrapper)."""
     for module in model.modules():
         if isinstance(getattr(module, "layers", None), nn.ModuleList) and hasattr(module, "embed_tokens"):
@@ -88,7 +88,7 @@ class LayerCapture:
                 f"--model {str(model_dir)!r}: weights missing for {len(missing)} parameter(s), "
                 f"e.g. {missing[:3]} (incomplete download or a missing shard file?)"
             )
-        self.backbone = _decoder_backbone(model).to(self.device).eval()
+        self.backbone = decoder_backbone(model).to(self.device).eval()
         self.kernels = apply_kernels(self.backbone, self.device, kernels)
         del model  # drops lm_head (unless tied to the embeddings)
         if preload is not None and preload.taken and self.device.type == "cuda":

@@ -72,13 +72,13 @@ def standalone_modules(model_dir: Path, device: torch.device, dtype: torch.dtype
     hidden size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .capture import _decoder_backbone
+    from .capture import decoder_backbone
     from .kernels import apply_kernels
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    modules = linear_attention_modules(_decoder_backbone(model))
+    modules = linear_attention_modules(decoder_backbone(model))
     for module in modules:
         module.to_empty(device=device)
         with torch.no_grad():

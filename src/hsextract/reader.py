@@ -20,13 +20,13 @@ from .journal import OutputState
 from .store import Store, journal_keys, open_store, scan
 
 
-def _first_copies(state: OutputState) -> list[tuple[str, dict]]:
+def first_copies(state: OutputState) -> list[tuple[str, dict]]:
     """The journaled files holding the first copy of at least one sample, in journal order."""
     return [(shard, entry) for shard, entry in state.files
             if any(state.written[i] == (shard, entry["file"]) for i in entry["ids"])]
 
 
-def _scan(store: Store, checksums: bool = False) -> OutputState:
+def scan_output(store: Store, checksums: bool = False) -> OutputState:
     """`scan`, refusing a place that holds no journal and is not a local directory (an empty one is an output
     with nothing in it yet)."""
     state = scan(store, checksums)
@@ -42,8 +42,8 @@ def repair_hint(store: Store, entry: dict) -> str:
             f"{len(entry.get('ids') or ())} sample(s)")
 
 
-def _batches(store: Store, files: list[tuple[str, dict]], verify: bool | str, ahead: int = 1, views: bool = False,
-             shared: bool = False) -> Iterator[tuple[str, dict, object]]:
+def read_batches(store: Store, files: list[tuple[str, dict]], verify: bool | str, ahead: int = 1,
+                 views: bool = False, shared: bool = False) -> Iterator[tuple[str, dict, object]]:
     """(shard dir, file entry, batch) per file, in order. Local files are opened in place; remote ones are
     downloaded `ahead` files ahead; each file's size and checksum are checked against its journal entry first
     (`verify`: `batchfile.VERIFY_MODES`; CorruptOutput naming the file) (`views`: their tensors are views of the
@@ -105,11 +105,11 @@ def sample_positions(path_or_uri: str | Path, verify: bool | str = True, client=
     if single is not None and single.is_file():
         yield from _single_file(single, verify_mode(verify))
         return
-    state = _scan(store)
+    state = scan_output(store)
     if not mixed:
         refuse_mixed(state, store.uri)
-    for shard, entry, batch in _batches(store, _first_copies(state), verify):
-        yield from ((batch, position) for position in _first_positions(state, shard, entry, batch))
+    for shard, entry, batch in read_batches(store, first_copies(state), verify):
+        yield from ((batch, position) for position in first_positions(state, shard, entry, batch))
 
 
 def _single_file(path: Path, mode: str) -> Iterator[tuple[object, int]]:
@@ -133,7 +133,7 @@ def refuse_mixed(state: OutputState, where: str) -> None:
             + "): its samples are not one dataset (`hsextract fsck` lists which files are which)")
 
 
-def _first_positions(state: OutputState, shard: str, entry: dict, batch) -> list[int]:
+def first_positions(state: OutputState, shard: str, entry: dict, batch) -> list[int]:
     """Positions in `batch` (the file `entry` of `shard`) of the samples whose first copy it holds."""
     return [n for n, sample_id in enumerate(batch.sample_ids) if state.written[sample_id] == (shard, entry["file"])]
 
@@ -156,10 +156,10 @@ def _index(path_or_uri: str | Path, verify: bool | str) -> tuple[list[tuple[Path
         if mode != "off":
             check_bytes(map_pages(root).numpy(), None, str(root), mode)
         return [(root, i) for i in range(len(BatchFile(root)))], {}
-    state = _scan(store)
+    state = scan_output(store)
     refuse_mixed(state, store.uri)
     index, entries = [], {}
-    for shard, entry in _first_copies(state):
+    for shard, entry in first_copies(state):
         key = f"{shard}/{entry['file']}"
         path = store.local_path(key)
         entries[path] = (entry, store.where(key), repair_hint(store, entry))
@@ -174,7 +174,7 @@ def describe_output(path_or_uri: str | Path, verify: bool = False, client=None) 
     `verify`: every journaled file must be stored with its journal's sha256 (each file hashed locally; on S3
     the sha256 stored with each object, which S3 checked against the bytes when they arrived)."""
     store = open_store(path_or_uri, client)
-    state = _scan(store, checksums=verify)
+    state = scan_output(store, checksums=verify)
     if verify:
         for shard, entry in state.files:
             key = f"{shard}/{entry['file']}"

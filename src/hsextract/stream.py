@@ -75,11 +75,11 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
 
     def files(self, store=None) -> tuple[list[tuple[str, dict]], object]:
         """This reader's files this epoch, in the order it reads them, and the output's journal state."""
-        from .reader import _first_copies, _scan
+        from .reader import first_copies, scan_output
         from .store import open_store
 
-        state = _scan(store or open_store(self.uri))
-        files = _first_copies(state)
+        state = scan_output(store or open_store(self.uri))
+        files = first_copies(state)
         order = list(range(len(files)))
         if self.shuffle:
             random.Random(f"{self.seed}/{self.epoch}").shuffle(order)
@@ -88,19 +88,19 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         from .export import LAYOUTS, Source, cut
-        from .reader import _batches, _first_positions
+        from .reader import first_positions, read_batches
         from .store import open_store
 
         store = open_store(self.uri)  # per reader (a DataLoader worker makes its own S3 client)
         mine, state = self.files(store)
         layout = None
         worker = torch.utils.data.get_worker_info() is not None
-        for shard, entry, batch in _batches(store, mine, self.verify, ahead=self.prefetch, views=True,
+        for shard, entry, batch in read_batches(store, mine, self.verify, ahead=self.prefetch, views=True,
                                             shared=worker):
             if layout is None and self.keys != "hsextract":
                 layout = LAYOUTS[self.keys](Source.of(batch))
                 layout.plan()
-            positions = _first_positions(state, shard, entry, batch)
+            positions = first_positions(state, shard, entry, batch)
             if self.shuffle:
                 random.Random(f"{self.seed}/{self.epoch}/{shard}/{entry['file']}").shuffle(positions)
             out = partial(_crossing, batch) if worker else (lambda record: record)
