@@ -19,6 +19,7 @@ import shlex
 from dataclasses import dataclass, field
 
 PROC_START_FIELD = 20  # starttime, counted after the ") " that ends /proc/PID/stat's comm field
+CREDENTIALS_FILE = "aws-credentials"  # in a shard's control dir while it runs (tasks/credentials.py writes it)
 
 
 def quote(value: object) -> str:
@@ -180,8 +181,6 @@ def stop_cmd(workdir: str, run: str, request: dict, grace_s: float, shards: list
     process group, and leave a detached sleeper on the host that SIGKILLs whatever of them is still that
     process after `grace_s` and removes its credentials file: the grace holds even if the orchestrator dies.
     Prints `TERM <shard dir> <pid>` per worker signalled, `IDLE <shard dir>` per one with no live worker."""
-    from .credentials import CREDENTIALS_FILE
-
     dirs = " ".join(f"shard-{int(n):05d}-of-*" for n in shards) if shards is not None else "shard-*-of-*"
     body = json.dumps(request, separators=(",", ":"))
     # the sleeper's arguments: shard dir:pid:start of each signalled worker

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from .commands import quote
 from .hosts import HostError
 
-CREDENTIALS_FILE = "aws-credentials"
-
 
 class CredentialsError(Exception):
     """The named block is missing or not usable as S3 credentials (the message never holds a secret)."""

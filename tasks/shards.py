@@ -23,8 +23,8 @@ from hsextract.liveness import STOP_KINDS
 from hsextract.options import WorkerOptions
 from hsextract.store.s3 import KEY_ENV
 
-from .commands import Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, quote
-from .credentials import CREDENTIALS_FILE, load_access
+from .commands import CREDENTIALS_FILE, Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, quote
+from .credentials import load_access
 from .failures import Failure, last_line, one_line
 from .hosts import Host, HostError, Result, connect, tail
 from .inventory import HostSpec, Inventory

@@ -149,7 +149,6 @@ def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator
     id left to the record: None here). With `keep(id)` and an `id` column, each row's id is read from that column
     alone, and only a row that `keep` takes, or that has no id of its own (its content's hash is its id:
     records.py decides), comes whole; the others' record is None."""
-    from .records import id_value
 
     row = 0
     for columns, batch in _arrow_batches(root, files, kind):
@@ -164,6 +163,18 @@ def _arrow_rows(root: Path, files: list[Path], kind: str, keep=None) -> Iterator
                 item = items.get(i)
                 yield row + i + 1, f, None if item is None else _arrow_record(item)
         row += batch.num_rows
+
+
+def own_id(obj: dict) -> str | None:
+    """The record's own `id` (a non-empty string or an integer), as a string; None when it has none."""
+    return id_value(obj.get("id"))
+
+
+def id_value(raw_id: object) -> str | None:
+    """An `id` field's value as a sample id: a non-empty string or an integer, as a string; else None."""
+    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
+        return str(raw_id)
+    return None
 
 
 def id_rows(path: Path) -> Iterator[tuple[int, str | None, bytes | dict | None]]:
@@ -181,8 +192,6 @@ def id_rows(path: Path) -> Iterator[tuple[int, str | None, bytes | dict | None]]
 def _arrow_record(item: dict) -> dict:
     """An Arrow row as the record its JSONL line would be: its null fields left out. Deep only where it counts:
     a record without an id is hashed whole (records.py reads nested nulls as absent anyway)."""
-    from .records import own_id
-
     top = {k: v for k, v in item.items() if v is not None}
     return top if own_id(top) is not None else _without_nulls(top)
 

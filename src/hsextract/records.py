@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .inputs import id_rows, rows
+from .inputs import id_rows, own_id, rows
 
 # ShareGPT speaker names and the chat-template roles they stand for.
 ROLE_ALIASES = {
@@ -73,18 +73,6 @@ def iter_records(path: str | Path, keep: Callable[[str], bool] | None = None) ->
                 yield obj
         elif keep is None or keep(record_id(obj)):
             yield parse_obj(obj, row)
-
-
-def own_id(obj: dict) -> str | None:
-    """The record's own `id` (a non-empty string or an integer), as a string; None when it has none."""
-    return id_value(obj.get("id"))
-
-
-def id_value(raw_id: object) -> str | None:
-    """An `id` field's value as a sample id: a non-empty string or an integer, as a string; else None."""
-    if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
-        return str(raw_id)
-    return None
 
 
 def record_id(obj: dict) -> str:
