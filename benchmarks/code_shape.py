@@ -8,7 +8,7 @@ Reads the product's Python files (src/hsextract, tasks, flows, deployments) as t
 - the 10 longest functions and methods (first line of the `def` to its last line);
 - modules and lines per package (hsextract, hsextract.store, tasks, flows, deployments);
 - import cycles between product modules (every `import`, lazy ones inside functions too: a cycle is one
-  design however it is spelled at run time), and private names (`_x`) imported from another module;
+  design however it is spelled at run time; those under `if TYPE_CHECKING:` name a type only), and private names (`_x`) imported from another module;
 - places that state a setting's value: for every parameter of the `extract` flow, each function parameter
   default, class field default, argparse `default=`, entry of a dict literal with two or more settings as keys, or keyword argument with a literal
   value under its name (one each is the goal);
@@ -113,10 +113,15 @@ def package_of(name: str, names: set[str]) -> str:
 
 
 def imports(tree: ast.AST, name: str, is_package: bool, names: set[str]) -> list[tuple[str, str, int]]:
-    """(imported product module, imported name or "", line) of every import in a module, lazy ones too."""
+    """(imported product module, imported name or "", line) of every import in a module, lazy ones too (not
+    those under `if TYPE_CHECKING:`)."""
     found = []
     here = name.split(".") if is_package else name.split(".")[:-1]
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
+        node.test) for n in ast.walk(node)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, "", node.lineno) for a in node.names if a.name in names]
         elif isinstance(node, ast.ImportFrom):

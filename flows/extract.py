@@ -18,6 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
+from flows.parameters import LayerSpec, OutputUri, Positive, Seconds
 from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM
 from hsextract.options import WorkerOptions as W
 from tasks.board import Board, run_key
@@ -43,13 +44,6 @@ from tasks.stage import dataset_here, settle_manifests
 
 __all__ = ["PARAMETERS", "ROOT", "extract"]
 
-LayerSpec = Annotated[str, Field(pattern=r"^\s*(dflash:[1-9]\d*|eagle3|\d+(\s*,\s*\d+)*)(\+last)?\s*$",
-                                  description="dflash:N, eagle3, or layer ids like 1,16,31; +last adds the last "
-                                              "decoder layer (eagle3+last: for speculators)")]
-OutputUri = Annotated[str, Field(pattern=r"^(file:///|/|s3://[^/\s]+)",
-                                 description="file:///absolute/path or s3://bucket/prefix")]
-Positive = Annotated[int, Field(ge=1)]
-Seconds = Annotated[float, Field(gt=0)]
 #: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
 PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num_shards", "shards", "run_name",
               "aws_credentials", "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb",

@@ -24,7 +24,7 @@ from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from flows.extract import LayerSpec, OutputUri, Positive
+from flows.parameters import LayerSpec, OutputUri, Positive
 from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM
 from hsextract.options import WorkerOptions as W
 from tasks.board import run_key

@@ -19,19 +19,11 @@ from .batching import batch_size_buckets
 from .errors import UsageError
 from .kernels import apply_kernels
 from .layers import layers_to_load
-from .preflight import read_model_info
+from .model import decoder_backbone, read_model_info
 from .prewarm import SHORTEST, linear_attention_modules, run_sizes
 
 if TYPE_CHECKING:
     from .preload import Preload
-
-
-def decoder_backbone(model: nn.Module) -> nn.Module:
-    """The module holding `embed_tokens`, `layers` and `norm` (the text model inside any wrapper)."""
-    for module in model.modules():
-        if isinstance(getattr(module, "layers", None), nn.ModuleList) and hasattr(module, "embed_tokens"):
-            return module
-    raise UsageError(f"{type(model).__name__}: no decoder stack (module with embed_tokens and layers) found")
 
 
 class LayerCapture:

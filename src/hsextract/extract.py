@@ -23,9 +23,9 @@ from .errors import DegenerateStates, Interrupted, UsageError
 from .kernels import fused_available
 from .layers import layers_to_load
 from .liveness import Heartbeat, Progress
+from .model import read_model_info
 from .options import WorkerOptions
 from .payload import Prepared
-from .preflight import read_model_info
 from .preload import Preload, start_preload
 from .prewarm import SHORTEST, Prewarm, WarmThread, mark_tuned, tuned_marker
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token, quantize

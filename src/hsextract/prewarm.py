@@ -72,8 +72,8 @@ def standalone_modules(model_dir: Path, device: torch.device, dtype: torch.dtype
     hidden size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .capture import decoder_backbone
     from .kernels import apply_kernels
+    from .model import decoder_backbone
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):

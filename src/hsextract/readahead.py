@@ -27,8 +27,8 @@ from pathlib import Path
 
 from .layers import layers_to_load, parse_layer_spec
 from .liveness import PROCESS_START
+from .model import read_model_info
 from .options import WorkerOptions
-from .preflight import read_model_info
 
 #: bytes per read: large enough to keep the disk busy and to need the interpreter's lock seldom (each read
 #: returns to Python, and waits for the lock the imports hold), small enough that a stop is quick

@@ -117,7 +117,7 @@ def recipe_of(opts, layer_ids: list[int], dtype: str, kernels: str | None = None
               versions: dict | None = None) -> Recipe:
     """The recipe of a shard of `opts` (WorkerOptions) capturing `layer_ids` in `dtype` (resolved: bfloat16,
     float32...), read from the model directory's files (UsageError naming a file that cannot be read)."""
-    from .preflight import read_model_info
+    from .model import read_model_info
 
     model = Path(opts.model)
     info = read_model_info(model)

@@ -19,9 +19,9 @@ from .errors import BUSY_EXIT, USAGE_EXIT, CorruptOutput, Interrupted, ShardBusy
 from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
 from .liveness import Heartbeat, Progress, stop_request, write_json_atomic
+from .model import read_model_info
 from .options import WorkerOptions
 from .payload import Prepared, Unsealed, write_unsealed
-from .preflight import read_model_info
 from .recipe import Recipe, refuse
 from .records import Bad, Record, iter_records
 from .sharding import shard_of

@@ -25,9 +25,9 @@ from . import __version__
 from .batching import pack, padded_tokens
 from .errors import Interrupted
 from .liveness import Heartbeat
+from .model import read_model_info
 from .options import WorkerOptions
 from .payload import Entry, Prepared, layout
-from .preflight import read_model_info
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token
 from .recipe import recipe_of
 from .records import Bad, Record

@@ -1,6 +1,7 @@
 """The import boundary, at runtime: every module of each side is imported in a fresh interpreter, and what got
 loaded is checked. The worker (what runs on GPU hosts) loads no orchestration package; the orchestrator
-(flows, tasks, deployments: what runs where Prefect runs) loads no torch-side package."""
+(flows, tasks, deployments: what runs where Prefect runs) loads no torch-side package. And no package's
+modules import each other in a circle, or take another module's private names (benchmarks/code_shape.py)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,33 @@ def test_the_orchestrator_loads_no_torch_side_package():
     loaded = loaded_after_importing(names)
     assert {"prefect", "paramiko", "hsextract"} <= loaded, "the orchestrator's modules were really imported"
     assert not loaded & TORCH_SIDE, sorted(loaded & TORCH_SIDE)
+
+
+def code_shape(root: Path, out: Path) -> dict:
+    """benchmarks/code_shape.py's measures of the checkout at `root` (lint and type tools not run)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "code_shape.py"), "--root", str(root),
+                           "--no-tools", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_no_module_imports_in_a_circle_or_takes_a_private_name(tmp_path):
+    shape = code_shape(ROOT, tmp_path / "shape.json")
+    assert shape["cycles"] == [], shape["cycles"]
+    assert shape["private_imports"] == [], shape["private_imports"]
+    assert shape["syspath"] == [], shape["syspath"]
+
+
+def test_the_measure_finds_a_circle_and_a_private_name(tmp_path):
+    """The check above can fail: a lazy import closing a circle, and a private name, are found."""
+    package = tmp_path / "src" / "hsextract"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .b import helper\n\n\ndef _private():\n    return helper\n")
+    (package / "b.py").write_text("def helper():\n    from .a import _private\n    return _private\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n")
+    for part in ("tasks", "flows", "deployments"):
+        (tmp_path / part).mkdir()
+    shape = code_shape(tmp_path, tmp_path / "shape.json")
+    assert shape["cycles"] == [["hsextract.a", "hsextract.b"]]
+    assert [p.split(" ")[1] for p in shape["private_imports"]] == ["hsextract.a._private"]
