@@ -3,7 +3,7 @@
 `--out-dtype fp8_e4m3` halves the bytes of bf16 (quarters fp32) plus 4 bytes per token and layer. Each
 layer's slice of a token is divided by amax/448 (448 is e4m3's largest finite value) and rounded to e4m3:
 3 mantissa bits, so an element's relative rounding error is at most 2^-4 (measured ~2-3% RMS per sample, see
-the README). The reader multiplies back and returns bf16, so consumers see the same record shape.
+docs/worker.md). The reader multiplies back and returns bf16, so consumers see the same record shape.
 """
 
 from __future__ import annotations
