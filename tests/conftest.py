@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# One intra-op thread per torch process, before anything imports torch: the suite runs many workers at once on
+# a few cores, and torch's thread pools then oversubscribe them (the tiny model's forward: 1,700 tok/s with 2
+# threads per process vs 12,900 with 1, on 2 cores under the suite's load). The sshd hosts pass it on.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 from hsextract import tiny
 

@@ -40,6 +40,7 @@ from typing import Iterator, Mapping, Sequence
 __all__ = ["FarmHost", "SshdFarm", "SshdError", "netns_supported", "clean_stale"]
 
 SSHD = "/usr/sbin/sshd"
+PASSED_ON = ("OMP_NUM_THREADS",)  # the suite's own settings every host session gets too (conftest.py)
 NS_PREFIX = "hsx-"
 _NS_RE = re.compile(r"^hsx-(\d+)-(\S+)$")
 _LINK_RE = re.compile(r"^hsx[vst](\d+)$")  # hsxvX: veth to host X; hsxsX/hsxtX: its silent "sink" pair
@@ -519,9 +520,10 @@ class SshdFarm:
             # bash sources ~/.bashrc for non-interactive commands run by sshd unless SHLVL says it is nested. On
             # this kind of machine root's .bashrc runs `pyenv init` (a locked `pyenv rehash`); concurrent or killed
             # sessions then stall for up to 60 s on a stale lock and rewrite the shared shims under everyone.
-            *(["SetEnv " + " ".join([*(["SHLVL=1"] if self.skip_shell_rc else []),
-                                     *(f"{k}={v}" for k, v in st.env.items())])]
-              if self.skip_shell_rc or st.env else []),
+            *(["SetEnv " + " ".join(session_env)] if (session_env := [
+                *(["SHLVL=1"] if self.skip_shell_rc else []),
+                *(f"{k}={os.environ[k]}" for k in PASSED_ON if k in os.environ and k not in st.env),
+                *(f"{k}={v}" for k, v in st.env.items())]) else []),
             "",
         ]))
 
