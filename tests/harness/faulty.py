@@ -7,6 +7,8 @@ runs `hsextract.cli.main` with a `capture` (the worker's seam for the model) who
                              heartbeating, mid-run, for as long as a test needs
   HSX_OOM_ABOVE_TOKENS=N     a forward pass over more than N padded tokens raises torch.OutOfMemoryError
   HSX_FAIL_WITH=TEXT         every forward pass raises RuntimeError(TEXT): a bug that fails every shard alike
+  HSX_FORWARD_DELAY_S=S      every forward pass takes S seconds longer: a slow GPU, so a shard runs long
+                             enough for a test to act on it mid-run however fast this machine is
 `python_for(path, env)` writes an interpreter that passes deploy's checks and runs this when asked to extract.
 """
 
@@ -20,6 +22,7 @@ from pathlib import Path
 HOLD_WHILE = "HSX_HOLD_WHILE"
 OOM_ABOVE_TOKENS = "HSX_OOM_ABOVE_TOKENS"
 FAIL_WITH = "HSX_FAIL_WITH"
+FORWARD_DELAY_S = "HSX_FORWARD_DELAY_S"
 
 
 def faulty_capture(*args, **kwargs):
@@ -32,6 +35,8 @@ def faulty_capture(*args, **kwargs):
         def run(self, input_ids: list[list[int]]):
             while os.environ.get(HOLD_WHILE) and os.path.exists(os.environ[HOLD_WHILE]):
                 time.sleep(0.1)
+            if os.environ.get(FORWARD_DELAY_S):
+                time.sleep(float(os.environ[FORWARD_DELAY_S]))
             if os.environ.get(FAIL_WITH):
                 raise RuntimeError(os.environ[FAIL_WITH])
             limit = os.environ.get(OOM_ABOVE_TOKENS)

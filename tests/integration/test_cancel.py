@@ -33,7 +33,16 @@ def data(tmp_path_factory) -> Path:
     return tiny.build_dataset(tmp_path_factory.mktemp("canceldata") / "chat.jsonl", 320, seed=11)
 
 
-def params(tiny_model, data, tmp_path: Path, run: str, python: str = sys.executable, **extra) -> dict:
+def slow_python(tmp_path: Path) -> str:
+    """The worker on a slow GPU (every forward pass 0.1 s longer: harness.faulty): a shard runs for seconds
+    however fast this machine is, so a cancel always finds it mid-run."""
+    from harness.faulty import FORWARD_DELAY_S, python_for
+
+    return python_for(tmp_path / "python-slow", {FORWARD_DELAY_S: "0.1"})
+
+
+def params(tiny_model, data, tmp_path: Path, run: str, python: str | None = None, **extra) -> dict:
+    python = python or slow_python(tmp_path)
     hosts = write_inventory(tmp_path / f"hosts-{Path(python).name}.yaml",
                             [{"name": "local", "hostname": "local", "gpus": [0, 1], "workdir": str(tmp_path / "w"),
                               "python": python}])
@@ -170,7 +179,7 @@ def test_a_cancel_while_the_workers_are_launched_kills_them_and_counts_no_attemp
                                                                                   tmp_path):
     """SIGINT while both launches wait for their workers (an interpreter that holds before it runs the worker):
     the stop kills what was launched, the launches that fail of it count no failed attempt, the run ends
-    Cancelled, and a run by hand (the real interpreter) does it all, every sample once."""
+    Cancelled, and a run by hand (no hold) does it all, every sample once."""
     from prefect.settings import PREFECT_API_URL
 
     from flows.extract import extract
@@ -179,7 +188,7 @@ def test_a_cancel_while_the_workers_are_launched_kills_them_and_counts_no_attemp
     hold.touch()
     held = tmp_path / "python-held"
     held.write_text(f"#!/bin/sh\nif [ \"$3\" = extract ]; then touch {reached}; while [ -e {hold} ]; do sleep 0.1; "
-                    f"done; fi\nexec {sys.executable} \"$@\"\n")
+                    f"done; fi\nexec {slow_python(tmp_path)} \"$@\"\n")
     held.chmod(0o755)
     p = params(tiny_model, data, tmp_path, run, python=str(held))
     code = "import json, sys; from flows.extract import extract; extract(**json.loads(sys.argv[1]))"
