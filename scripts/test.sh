@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Set up, lint (scripts/lint.sh), then run the whole test suite (unit + integration on a real tiny model). Extra args go to pytest.
+# Set up, lint (scripts/lint.sh), then run the whole test suite (unit + integration on a real tiny model): the
+# tests in parallel (pytest-xdist, one process per file's tests so module fixtures are built once), then the
+# `serial` ones alone (timing-sensitive under load). Extra args go to both pytest runs; HSX_TEST_WORKERS sets
+# the parallel processes (default 3: on 2 cores the tests spend much of their time waiting on subprocesses).
+# The fast tier alone: .venv/bin/python -m pytest -m 'not slow' -q
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/lint.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider -m "not serial" -n "${HSX_TEST_WORKERS:-3}" --dist loadfile "$@" \
+  || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider -m serial "$@" || status=$?
+exit $status

@@ -76,3 +76,11 @@ def s3(s3_endpoint, request):
     bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-")
     client.create_bucket(Bucket=bucket)
     return client, bucket
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/integration is `slow` (real servers, hosts, workers): `-m 'not slow'` leaves the
+    pure tests, the inner loop."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.slow)

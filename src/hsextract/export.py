@@ -38,6 +38,7 @@ import torch
 
 from .errors import UsageError
 from .options import EXPORT_FORMATS as FORMATS
+from .store import local_dir
 
 INDEX = "index.jsonl"
 SUMMARY = "export.json"
@@ -333,9 +334,13 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     if max_length is not None and max_length < 2:
         raise UsageError(f"--max-length {max_length}: must be at least 2")
     dest = Path(dest)
-    src = str(src) if str(src).startswith("s3://") else str(Path(str(src).removeprefix("file://")).resolve())
+    try:
+        local = local_dir(src)
+    except ValueError as exc:
+        raise UsageError(f"{src}: {exc}") from None
+    local = local.resolve() if local is not None else None
+    src = str(local) if local is not None else str(src)
     settings = {"format": fmt, "src": src, "max_length": max_length}
-    local = None if src.startswith("s3://") else Path(src)
     if local is not None and dest.resolve().is_relative_to(local):
         raise UsageError(f"{dest}: inside the source {src}: an export goes to a directory of its own, outside the "
                          f"output (a later extraction or reconcile would meet it there)")

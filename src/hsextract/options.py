@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .journal import shard_dir_name
+from .store import local_dir
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 OUT_DTYPES = ("auto", "fp8_e4m3")
@@ -165,14 +166,15 @@ class WorkerOptions:
     @property
     def upload(self) -> str | None:
         """The `s3://` URI the files go to, when the output is in S3 (they are written to the spool first)."""
-        return self.out if self.out.startswith("s3://") else None
+        return self.out if local_dir(self.out) is None else None
 
     @property
     def out_dir(self) -> Path:
         """Where this worker writes batch files and journals: the output itself, or the spool for S3."""
-        if self.upload:
+        local = local_dir(self.out)
+        if local is None:
             return self.spool or (self.status_dir / "spool" if self.status_dir else Path("hsextract-spool"))
-        return Path(self.out.removeprefix("file://"))
+        return local
 
     @property
     def shard_dir(self) -> Path:
@@ -212,8 +214,10 @@ class WorkerOptions:
     # --- validation -------------------------------------------------------------------------------------------
     def check_out(self) -> None:
         """The output is a local path, file:// or s3:// (what `out_dir` and `upload` can read)."""
-        if "://" in self.out and not self.out.startswith(("file://", "s3://")):
-            raise UsageError(f"--out {self.out!r}: use a local path, file://... or s3://bucket/prefix")
+        try:
+            local_dir(self.out)
+        except ValueError:
+            raise UsageError(f"--out {self.out!r}: use a local path, file://... or s3://bucket/prefix") from None
 
     def check(self) -> None:
         """Checks that need nothing but the options themselves (the orchestrator can run them before a launch)."""

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .store.local import sha256_file, sha256_hash
-from .store.s3 import error_code
+from .store.s3 import error_code, split_uri
 
 MANIFEST_SUFFIX = ".hsextract-manifest.json"
 MANIFEST_VERSION = 1
@@ -160,12 +160,11 @@ def local_manifest(path: Path, write: bool = True) -> Manifest:
 
 def split_source(uri: str) -> tuple[str, str]:
     """(bucket, key or prefix) of an s3:// source; a trailing slash is kept (it says: a prefix)."""
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    if not uri.startswith("s3://") or not bucket:
-        raise StageError(f"{uri!r}: expected s3://bucket/key or s3://bucket/prefix/")
-    if ".." in key.split("/"):
-        raise StageError(f"{uri!r}: '..' in the key")
-    return bucket, key
+    try:
+        bucket, key = split_uri(uri)  # the store's parser: one reading of an S3 URI
+    except ValueError as exc:
+        raise StageError(f"{exc} (a source is s3://bucket/key or s3://bucket/prefix/)") from None
+    return bucket, (key + "/" if key and uri.endswith("/") else key)
 
 
 def list_s3(client, uri: str) -> Manifest:

@@ -24,6 +24,7 @@ from harness.inventory import write_inventory
 from harness.worker import dataset_ids, running
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.serial  # signals and stops raced against workers: run alone (scripts/test.sh)
 FAST = dict(heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
             host_timeout_s=10, token_budget=256, status_interval_s=1.0)
 
@@ -34,11 +35,11 @@ def data(tmp_path_factory) -> Path:
 
 
 def slow_python(tmp_path: Path) -> str:
-    """The worker on a slow GPU (every forward pass 0.1 s longer: harness.faulty): a shard runs for seconds
+    """The worker on a slow GPU (every forward pass 0.25 s longer: harness.faulty): a shard runs for ~15 s
     however fast this machine is, so a cancel always finds it mid-run."""
     from harness.faulty import FORWARD_DELAY_S, python_for
 
-    return python_for(tmp_path / "python-slow", {FORWARD_DELAY_S: "0.1"})
+    return python_for(tmp_path / "python-slow", {FORWARD_DELAY_S: "0.25"})
 
 
 def params(tiny_model, data, tmp_path: Path, run: str, python: str | None = None, **extra) -> dict:

@@ -340,7 +340,8 @@ def test_cancel_through_the_process_worker_stops_the_workers_ends_cancelled_and_
 
     out = served.root / "out-cancel"
     data = tiny.build_dataset(served.root / "cancel.jsonl", 320, seed=13)
-    run = dict(output=f"file://{out}", hosts=served.inventory("cancel"), data=str(data), token_budget=256,
+    slow = faulty.python_for(served.root / "python-slow", {faulty.FORWARD_DELAY_S: "0.25"})  # mid-run when cancelled
+    run = dict(output=f"file://{out}", hosts=served.inventory("cancel", python=slow), data=str(data), token_budget=256,
                cancel_grace_s=30)
     flow_run = start("cancel-w", **run)
     workdir = served.root / "w-cancel" / "runs" / "cancel-w"

@@ -20,20 +20,29 @@ from .local import LocalStore, fsync_dir, make_dirs, sha256_file, write_atomic
 from .s3 import S3Store, s3_client, split_uri
 
 __all__ = ["FILE_MODE", "LocalStore", "NoSuchBucket", "OutputState", "S3Store", "Store", "StoreError", "StoredObject",
-           "fsync_dir", "journal_keys", "make_dirs", "open_store", "s3_client", "scan", "sha256_file", "split_uri",
-           "write_atomic"]
+           "fsync_dir", "journal_keys", "local_dir", "make_dirs", "open_store", "s3_client", "scan", "sha256_file",
+           "split_uri", "write_atomic"]
+
+
+def local_dir(uri: str | Path) -> Path | None:
+    """The local directory an output's URI names (a path or `file://...`), or None for `s3://`: the one place,
+    with `open_store`, that tells the schemes apart. ValueError for any other scheme."""
+    text = str(uri)
+    if text.startswith("s3://"):
+        return None
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(f"{text!r}: expected a local path, file:// or s3:// URI")
+    return Path(text.removeprefix("file://"))
 
 
 def open_store(uri: str | Path, client=None) -> Store:
     """The store of an output: `s3://bucket/prefix`, or a local directory given as a path or `file://` URI
     (made when something is first written there). For S3, `client` is a boto3 client or a function that
     makes one (called only then); without it, boto3's default credential chain and $AWS_ENDPOINT_URL."""
-    text = str(uri)
-    if text.startswith("s3://"):
-        return S3Store(text, client() if callable(client) else client)
-    if "://" in text and not text.startswith("file://"):
-        raise ValueError(f"{text!r}: expected a local path, file:// or s3:// URI")
-    return LocalStore(text.removeprefix("file://"))
+    local = local_dir(uri)
+    if local is None:
+        return S3Store(str(uri), client() if callable(client) else client)
+    return LocalStore(local)
 
 
 def journal_keys(objects: Iterable[StoredObject]) -> list[str]:
