@@ -34,6 +34,13 @@ def data(tmp_path_factory) -> Path:
     return tiny.build_dataset(tmp_path_factory.mktemp("canceldata") / "chat.jsonl", 320, seed=11)
 
 
+def ctrl_c_heard() -> None:
+    """In the caller's child, before it runs: SIGINT back to its default, as in a terminal where a person presses
+    Ctrl-C. A suite started in the background (`... &` from a script) inherits SIGINT ignored, and Python then
+    never raises KeyboardInterrupt: the run would go on as if no one had asked it to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def slow_python(tmp_path: Path) -> str:
     """The worker on a slow GPU (every forward pass 0.25 s longer: harness.faulty): a shard runs for ~15 s
     however fast this machine is, so a cancel always finds it mid-run."""
@@ -123,7 +130,7 @@ def test_a_direct_call_that_is_signalled_stops_its_workers_ends_cancelled_and_re
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     log = tmp_path / "caller.log"  # a file, not a pipe: nobody reads a pipe while the run goes on
     caller = subprocess.Popen([sys.executable, "-c", code, json.dumps(p)], cwd=ROOT, env=env,
-                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=ctrl_c_heard)
     deadline = time.monotonic() + 120
     while not extracting(tmp_path, run):
         assert caller.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -197,7 +204,7 @@ def test_a_cancel_while_the_workers_are_launched_kills_them_and_counts_no_attemp
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     log = tmp_path / "caller.log"
     caller = subprocess.Popen([sys.executable, "-c", code, json.dumps(p)], cwd=ROOT, env=env,
-                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=ctrl_c_heard)
     try:
         deadline = time.monotonic() + 120
         while len(workers(tmp_path, run)) < 2 or not reached.exists():
