@@ -13,6 +13,7 @@ from . import __version__
 from .errors import USAGE_EXIT
 from .liveness import Heartbeat, Progress, announce_start
 from .options import EXPORT_FORMATS, WorkerOptions
+from .say import shard_log
 from .store.s3 import KEY_ENV
 
 
@@ -165,7 +166,7 @@ def _extract(opts: WorkerOptions, capture) -> int:
     except OSError as exc:
         print(f"hsextract: {exc.strerror or exc}", file=sys.stderr)
         return USAGE_EXIT
-    print(f"hsextract: shard {opts.shard}/{opts.num_shards}: {confined.describe()}", file=sys.stderr, flush=True)
+    shard_log(opts.shard, opts.num_shards).info(confined.describe())
     heartbeat.progress.confined = confined.active
     heartbeat.progress.phase = "importing"
     heartbeat.start()  # the first heartbeat comes before torch is imported

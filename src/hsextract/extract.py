@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import sys
 import threading
 import time
 from collections import Counter
@@ -74,9 +73,8 @@ class ShardRun(Shard):
         self.progress.phase = "loading_model"
         cuda = CudaStart(device)  # the device's context made while transformers, the model code, the tokenizer load
         if opts.random_weights is not None:
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: --random-weights {opts.random_weights}: "
-                  f"the weights of {opts.model} are not loaded; the states are of a random model", file=sys.stderr,
-                  flush=True)
+            self.log.warning(f"warning: --random-weights {opts.random_weights}: the weights of {opts.model} are "
+                             f"not loaded; the states are of a random model")
         info = read_model_info(opts.model)
         self.preload = self.start_preload(layers_to_load(layer_ids, info.num_layers, opts.include_last), device,
                                           dtype)  # the weights to the device beside the imports
@@ -116,12 +114,11 @@ class ShardRun(Shard):
         self.load_s = time.monotonic() - started
         self.progress.mark("model_loaded")
         how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
-        print(f"hsextract: shard {opts.shard}/{opts.num_shards}: model loaded in {self.load_s:.1f}s on {device}"
-              + (f" ({how})" if how else ""), file=sys.stderr, flush=True)
+        self.log.info(f"model loaded in {self.load_s:.1f}s on {device}" + (f" ({how})" if how else ""))
         if self.preload is not None and not self.preload.taken:
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: the weights read beside the imports "
-                  f"were not used ({self.preload.error or 'the model class is not one transformers maps'}); "
-                  f"transformers read the files", file=sys.stderr, flush=True)
+            self.log.warning(f"warning: the weights read beside the imports were not used ("
+                             f"{self.preload.error or 'the model class is not one transformers maps'}); "
+                             f"transformers read the files")
         if prewarm:
             self.prewarm = prewarm
             try:
@@ -130,9 +127,8 @@ class ShardRun(Shard):
                 prewarm.kill()
                 raise
             who = f"{len(prewarm.procs)} tuning process(es)" if prewarm.procs else "kernels tuned on a thread:"
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: {who} done "
-                  f"{prewarm.seconds:.1f}s after their start, {self.load_s:.1f}s of it loading the model"
-                  + "".join(f"; failed: {f}" for f in prewarm.failures), file=sys.stderr, flush=True)
+            self.log.info(f"{who} done {prewarm.seconds:.1f}s after their start, {self.load_s:.1f}s of it loading "
+                          f"the model" + "".join(f"; failed: {f}" for f in prewarm.failures))
             if not prewarm.failures:
                 mark_tuned(self.tuned)
             self.progress.mark("kernels_tuned")
@@ -146,12 +142,10 @@ class ShardRun(Shard):
             mark_tuned(self.tuned)
             self.progress.mark("kernels_warmed")
             if sizes:
-                print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels warmed for {len(sizes)} batch sizes "
-                      f"(1..{sizes[-1]}) " + ("on the thread beside the load" if beside else f"in {self.warm_s:.1f}s"),
-                      file=sys.stderr, flush=True)
+                self.log.info(f"kernels warmed for {len(sizes)} batch sizes (1..{sizes[-1]}) "
+                              + ("on the thread beside the load" if beside else f"in {self.warm_s:.1f}s"))
         if capture.settle_masks():  # after the warm-up: its test forward compiles nothing
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: attention masks made once: no host sync per "
-                  f"batch", file=sys.stderr, flush=True)
+            self.log.info("attention masks made once: no host sync per batch")
         first = early.result()
         self.progress.mark("first_window_tokenized")
         self.layer_ids, self.width = list(layer_ids), capture.width
@@ -165,8 +159,7 @@ class ShardRun(Shard):
         }
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
-        print(f"hsextract: shard {opts.shard}/{opts.num_shards}: start-up, from the process start: "
-              f"{self.progress.describe_startup()}", file=sys.stderr, flush=True)
+        self.log.info(f"start-up, from the process start: {self.progress.describe_startup()}")
         writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
                              bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget,
                              staging=staging)
@@ -217,8 +210,7 @@ class ShardRun(Shard):
             return None
         preload, why = start_preload(opts.model, keep_layers, device, dtype, follow=self.read_ahead)
         if preload is None:
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: the weights are read after the imports, by "
-                  f"transformers: {why}", file=sys.stderr, flush=True)
+            self.log.info(f"the weights are read after the imports, by transformers: {why}")
         return preload
 
     def start_prewarm(self, device: str, dtype: torch.dtype) -> Prewarm | WarmThread | None:
@@ -235,13 +227,12 @@ class ShardRun(Shard):
             try:
                 return WarmThread.start(opts.model, sizes, opts.token_budget, device, dtype, opts.kernels)
             except Exception as exc:  # noqa: BLE001 - the warm-up after the load does it; the load tells of a bad model
-                print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: no kernel tuning beside the load "
-                      f"({type(exc).__name__}: {exc}); they are tuned after it", file=sys.stderr, flush=True)
+                self.log.warning(f"warning: no kernel tuning beside the load ({type(exc).__name__}: {exc}); they "
+                                 f"are tuned after it")
                 return None
         self.tuned = tuned_marker(opts.model, sizes, device, dtype, opts.kernels)
         if self.tuned is not None and self.tuned.exists():
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: kernels tuned on this host before "
-                  f"({self.tuned}): no tuning processes", file=sys.stderr, flush=True)
+            self.log.info(f"kernels tuned on this host before ({self.tuned}): no tuning processes")
             self.tuned_before = True
             return None
         return Prewarm.start(opts.model, sizes, opts.token_budget, device, dtype, procs, opts.kernels)

@@ -9,7 +9,6 @@ import fcntl
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from .options import WorkerOptions
 from .payload import Prepared, Unsealed, write_unsealed
 from .recipe import Recipe, refuse
 from .records import Bad, Record, iter_records
+from .say import shard_log
 from .sharding import shard_of
 from .status import ProgressReporter
 from .store import LocalStore, S3Store, s3_client, scan, sha256_file
@@ -37,6 +37,7 @@ class Shard:
     def __init__(self, opts: WorkerOptions, progress: Progress):
         self.opts = opts
         self.progress = progress
+        self.log = shard_log(opts.shard, opts.num_shards)  # what it says on stderr
         self.skips: Counter[str] = Counter()
         self.stop_signal: str | None = None
         self.journal: Journal | None = None
@@ -142,13 +143,12 @@ class Shard:
             aborted = store.abort_uploads(f"{opts.shard_dir.name}/")
         except Exception as exc:  # noqa: BLE001 - a cleanup: no ListBucketMultipartUploads right must not stop it
             aborted = []
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: warning: cannot list or abort unfinished "
-                  f"multipart uploads under {store.where(opts.shard_dir.name + '/')} ({type(exc).__name__}: {exc}); "
-                  f"parts an earlier worker left stay until the bucket's lifecycle rule removes them",
-                  file=sys.stderr, flush=True)
+            self.log.warning(f"warning: cannot list or abort unfinished multipart uploads under "
+                             f"{store.where(opts.shard_dir.name + '/')} ({type(exc).__name__}: {exc}); parts an "
+                             f"earlier worker left stay until the bucket's lifecycle rule removes them")
         if aborted:
-            print(f"hsextract: shard {opts.shard}/{opts.num_shards}: aborted {len(aborted)} unfinished multipart "
-                  f"upload(s) an earlier worker left: {', '.join(aborted[:5])}", file=sys.stderr, flush=True)
+            self.log.info(f"aborted {len(aborted)} unfinished multipart upload(s) an earlier worker left: "
+                          f"{', '.join(aborted[:5])}")
         high, low = spool_marks(opts.out_dir, opts.spool_high_bytes, opts.spool_low_bytes,
                                 f"shard {opts.shard}/{opts.num_shards}")
         spool = Spool(high, low, self.progress)
@@ -177,7 +177,7 @@ class Shard:
                    f"{entry['sha256']} / {entry['bytes']}: deleted, its {len(entry['ids'])} sample(s) redone")
             self.journal.append({"kind": "lost", "file": entry["file"], "why": why}, durable=True)
             path.unlink()
-            print(f"hsextract: shard {self.opts.shard}/{self.opts.num_shards}: {why}", file=sys.stderr, flush=True)
+            self.log.warning(why)
 
     def pending_records(self) -> list[Record | Bad]:
         """This shard's records not yet written or skipped by any run; records duplicates as skipped."""
@@ -437,5 +437,5 @@ def drive(make_shard, opts: WorkerOptions, heartbeat: Heartbeat | None = None) -
             shard.journal.close()
         heartbeat.finish(code, reason, **stop)
     if code != 0:
-        print(f"hsextract: shard {opts.shard}/{opts.num_shards} failed: {reason}", file=sys.stderr, flush=True)
+        shard_log(opts.shard, opts.num_shards).error(f"failed: {reason}")
     return code

@@ -18,7 +18,6 @@ import array
 import json
 import os
 import random
-import sys
 import time
 
 from . import __version__
@@ -80,9 +79,8 @@ class SyntheticRun(Shard):
             **({"hidden_states_encoding": FP8_ENCODING} if fp8 else {}), **self.recipe_metadata(),
         }
         self.states = StatePool(width, len(layer_ids), fp8, info.vocab_size)
-        print(f"hsextract: shard {opts.shard}/{opts.num_shards}: synthetic: no model; random states of "
-              f"{self.states.bytes_per_token} bytes a token at {opts.synthetic:g} tokens/s", file=sys.stderr,
-              flush=True)
+        self.log.info(f"synthetic: no model; random states of {self.states.bytes_per_token} bytes a token at "
+                      f"{opts.synthetic:g} tokens/s")
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
         spent = {"sleep_s": 0.0, "write_s": 0.0}
