@@ -115,18 +115,15 @@ class Report:
             lines.append("Skipped by reason: " + ", ".join(f"`{r}` {n:,}" for r, n in self.skipped.most_common()))
         for title, items in (("Missing objects", self.missing_objects), ("Corrupt objects", self.corrupt_objects)):
             if items:
-                lines.append(f"{title} ({len(items)}): " + ", ".join(f"`{k}`" for k in items[:20])
-                             + (" ..." if len(items) > 20 else ""))
+                lines.append(f"{title} ({len(items)}): {_listed(items)}")
         if self.mixed:
             lines.append(f"**Mixed recipes** ({len(self.recipes)}): " + "; ".join(
                 f"`{fp}` in {', '.join(dirs[:5])}" for fp, dirs in self.recipes.items())
                 + ". Not one dataset: `hsextract fsck` lists which files are which.")
         if self.changed_ids:
             lines.append(f"**Changed records** ({len(self.changed_ids)}): the dataset's records under "
-                         + ", ".join(f"`{i}`" for i in self.changed_ids[:20]) + (" ..." if len(self.changed_ids) > 20
-                                                                                  else "")
-                         + " are not the ones their stored samples were made from. A changed dataset takes a new "
-                           "output.")
+                         f"{_listed(self.changed_ids)} are not the ones their stored samples were made from. A "
+                         f"changed dataset takes a new output.")
         if self.shards_to_rerun:
             lines.append(f"Shards to re-run: {self.shards_to_rerun}")
         seal = (f"_SUCCESS written (generation {self.generation})" if self.sealed else
@@ -138,6 +135,11 @@ class Report:
     def table(self) -> list[dict]:
         """The per-shard table artifact's rows."""
         return [{"shard": s, **r.row()} for s, r in sorted(self.shards.items())]
+
+
+def _listed(items: list[str], most: int = 20) -> str:
+    """The first `most` items, quoted, and "..." when there are more."""
+    return ", ".join(f"`{k}`" for k in items[:most]) + (" ..." if len(items) > most else "")
 
 
 def reconcile_output(store: Store, dataset_ids: Iterable[str | tuple[str, str | None]], num_shards: int,

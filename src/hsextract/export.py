@@ -338,8 +338,9 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
         local = local_dir(src)
     except ValueError as exc:
         raise UsageError(f"{src}: {exc}") from None
-    local = local.resolve() if local is not None else None
-    src = str(local) if local is not None else str(src)
+    if local is not None:
+        local = local.resolve()
+    src = str(local or src)
     settings = {"format": fmt, "src": src, "max_length": max_length}
     if local is not None and dest.resolve().is_relative_to(local):
         raise UsageError(f"{dest}: inside the source {src}: an export goes to a directory of its own, outside the "
