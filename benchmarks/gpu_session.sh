@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_session.sh 9   # the worker's imports and steps before its load, timed (startup_imports.py)
 #   bash benchmarks/gpu_session.sh 12  # the 64-layer profile table and the levers of issue 40 (gpu_profile.py)
 #   bash benchmarks/gpu_session.sh 13  # the fused kernels' correctness and error vs fp32, the 32-layer worker on them
+#   bash benchmarks/gpu_session.sh 14  # issue 38's state checks: the 32-layer worker with and without them; the profile
+#                                      # table before and after `fused` (64 layers); the preflight's GPU facts
 #   bash benchmarks/gpu_session.sh 8   # the host syncs in a forward; the bare forward with the worker's masks made
 #                                      # once and with the model's own; quiet, beside the worker's host work, quiet
 #                                      # again (~5 min)
@@ -126,14 +128,27 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
     timeout ${ERR_S:-100} python3 benchmarks/gpu_correctness.py --shape27b ${ERR_LAYERS:-12} --samples 4 2>&1 | quiet \
         | tee "$OUT/err27b.log"
     [ "${TP_S:-330}" -gt 0 ] && timeout ${TP_S:-330} python3 benchmarks/gpu_throughput.py --kernels fused --sustained --no-reference --no-sink \
-        --naive-samples 0 --samples ${SAMPLES:-600} --ceiling-batches 12 --json "$OUT/tp32f.json" 2>&1 | quiet \
+        --naive-samples 0 --samples ${SAMPLES:-600} --ceiling-batches 12 --fp8 --json "$OUT/tp32f.json" 2>&1 | quiet \
         | tee "$OUT/tp32f.log" | tail -25 ;;
+14)  # issue 38's state checks: the 32-layer bf16 worker with and without them, alternated (AB_S, AB: pairs); then
+     # issue 40's profile table before and after `fused` at 64 layers (PROFILE_S), then the preflight's GPU facts
+    [ "${AB_S:-240}" -gt 0 ] && timeout ${AB_S:-240} python3 benchmarks/gpu_throughput.py --worker-only \
+        --state-checks-ab ${AB:-2} --kernels ${AB_KERNELS:-default} --samples ${SAMPLES:-400} --json "$OUT/ab.json" \
+        2>&1 | quiet | tee "$OUT/ab.log" | grep "^worker\|^state\|model + data"
+    [ "${PROFILE_S:-300}" -gt 0 ] && timeout ${PROFILE_S:-300} python3 benchmarks/gpu_profile.py --model-layers 64 \
+        --levers fused --deadline 150 --json "$OUT/profile.json" 2>&1 | quiet | tee "$OUT/profile.log"
+    gzip -f "$OUT"/trace-*.json 2>/dev/null
+    PYTHONPATH=src:.:/tmp/site python3 -c "
+import subprocess
+from tasks.commands import facts_cmd, parse_facts
+out = subprocess.run(['sh', '-c', facts_cmd('/tmp/hsx-w', '/tmp')], capture_output=True, text=True).stdout
+print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
 12)  # issue 40: the 64-layer profile table and every lever beside the baseline (LEVERS: which; default all)
     timeout ${PROFILE_S:-570} python3 benchmarks/gpu_profile.py --model-layers ${MODEL_LAYERS:-64} \
         --levers ${LEVERS:-all} --deadline ${DEADLINE_S:-470} --json "$OUT/profile.json" 2>&1 | quiet \
         | tee "$OUT/profile.log"
     gzip -f "$OUT"/trace-*.json 2>/dev/null ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null || true  # clocks() may have stopped it already

@@ -429,7 +429,49 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
         capture.backbone.layers[i]._forward_hooks.update(h)
     with phase("capture"):
         out["capture"] = tokens / timed(run_capture)
+    out["state_checks"] = state_checks(capture, packed, layer_ids, run_capture)
     return out  # model and inputs are freed on return
+
+
+def state_checks(capture: LayerCapture, packed, layer_ids: list[int], run_capture) -> dict:
+    """What the worker's checks of the states cost on the GPU (issue 38): the capture over the same batches with the
+    worker's per-batch checks after each forward (NaN/Inf flags, then the per-layer sums and all-zero/constant row
+    counts) and without, alternated three times; and the checks' own device time per batch (CUDA events)."""
+    from hsextract.extract import ShardRun
+
+    @torch.inference_mode()
+    def checked(part=None):
+        spent = 0.0
+        for batch in packed:
+            states = capture.run(batch)
+            if part == "stats":
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+            ShardRun.nonfinite_flags(batch, states)
+            if part == "stats":
+                ShardRun.layer_stats(states["hidden_states"], len(layer_ids))
+                after.record()
+                after.synchronize()
+                spent += before.elapsed_time(after) / 1e3
+            else:
+                ShardRun.layer_stats(states["hidden_states"], len(layer_ids))
+        return spent
+
+    tokens = sum(len(s) for b in packed for s in b)
+    plain, with_checks = [], []
+    with phase("capture with and without the state checks"):
+        for _ in range(3):
+            plain.append(tokens / timed(run_capture))
+            with_checks.append(tokens / timed(checked))
+    device_s = checked("stats")
+    capture_s = tokens / max(plain)
+    figures = {"capture": plain, "capture_checked": with_checks, "checks_device_s": device_s,
+               "checks_share": device_s / capture_s}
+    print(f"state checks (NaN/Inf flags + per-layer sums, zero and constant rows) over {len(packed)} batches: capture "
+          f"{max(plain):,.0f} tok/s without, {max(with_checks):,.0f} with (best of 3 each; "
+          f"{max(with_checks) / max(plain):.4f}x); their device time {device_s * 1e3:.1f} ms = "
+          f"{figures['checks_share']:.4%} of the capture's", flush=True)
+    return figures
 
 
 #: writer threads of the sink's `parallel` figure
@@ -521,16 +563,29 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
     return figures
 
 
+#: the worker with issue 38's per-batch layer statistics replaced by a constant (the NaN/Inf flags stay: they were
+#: there before), for the before/after of what the checks cost
+NO_STATE_CHECKS = """
+import runpy, sys, torch
+from hsextract.extract import ShardRun
+ShardRun.layer_stats = staticmethod(lambda hidden, layers: torch.zeros(layers, 3, device=hidden.device))
+sys.argv = ["hsextract", *sys.argv[1:]]
+runpy.run_module("hsextract", run_name="__main__")
+"""
+
+
 def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *extra: str,
            random_weights: bool = True, env: dict | None = None, device: str = "cuda",
-           keep_first: bool = False) -> dict:
+           keep_first: bool = False, state_checks: bool = True) -> dict:
     """`hsextract extract` over the whole dataset (random weights, SEED, unless `random_weights` is False:
     then the checkpoint in `model_dir`); its batch files are deleted once journaled (but the first, with
-    `keep_first`), so the disk never holds more than a few. Its summary, with `steady` (tok/s after its first
-    file) and `first_file_s` (process start to the first file journaled) added."""
+    `keep_first`), so the disk never holds more than a few; without `state_checks`, the worker of before issue
+    38 (no per-layer sums or zero/constant row counts: `NO_STATE_CHECKS`). Its summary, with `steady` (tok/s after
+    its first file) and `first_file_s` (process start to the first file journaled) added."""
     import threading
 
-    cmd = [sys.executable, "-m", "hsextract", "extract", "--model", str(model_dir), "--data", str(data),
+    run = ["-m", "hsextract"] if state_checks else ["-c", NO_STATE_CHECKS]
+    cmd = [sys.executable, *run, "extract", "--model", str(model_dir), "--data", str(data),
            "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", device,
            "--token-budget", str(budget), "--progress", "log", "--max-length", "4096",
            *(("--random-weights", str(SEED)) if random_weights else ()), *extra]
@@ -652,6 +707,8 @@ def main() -> int:
                          "out, hash, write + fsync at its output rate), between two quiet timings")
     ap.add_argument("--kernels", default="default", choices=("default", "fused"),
                     help="the worker's --kernels, for the bare forward, the capture and the worker alike")
+    ap.add_argument("--state-checks-ab", type=int, default=0, metavar="N",
+                    help="with --worker-only: the bf16 worker with issue 38's state checks and without, N times each")
     ap.add_argument("--no-sink", action="store_true", help="skip the sink's figures (the ratio is to the GPU ceiling)")
     ap.add_argument("--oom-budget", type=int, default=0,
                     help="also run the worker with this huge token budget: it must split batches on CUDA OOM")
@@ -668,16 +725,29 @@ def main() -> int:
           f" max {max(lengths)}), {width * 2} bytes/token, token budget {args.token_budget}", flush=True)
     if args.worker_only:
         dtypes, runs = ((), ("--out-dtype", "fp8_e4m3")), {}
-        for extra in dtypes[1:] if args.fp8_only else dtypes[:2 if args.fp8 else 1]:
-            with phase(f"worker {' '.join(extra) or 'bf16'}"):
-                summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, *extra)
-            print(f"worker {' '.join(extra) or 'bf16'}: {summary['tokens_per_s']:,.0f} tok/s over "
+        todo = [(extra, True) for extra in (dtypes[1:] if args.fp8_only else dtypes[:2 if args.fp8 else 1])]
+        if args.state_checks_ab:  # issue 38: the bf16 worker with its state checks and without, alternated
+            todo = [((), checks) for _ in range(args.state_checks_ab) for checks in (True, False)]
+        for n, (extra, checks) in enumerate(todo):
+            name = (" ".join(extra) or "bf16") + ("" if checks else ", no state checks")
+            with phase(f"worker {name}"):
+                summary = worker(model_dir, work / "data.jsonl", out, args.layers, args.token_budget, *extra,
+                                 "--kernels", args.kernels, state_checks=checks)
+            print(f"worker {name}: {summary['tokens_per_s']:,.0f} tok/s over "
                   f"{summary['extract_s']} s, steady {summary['steady']:,.0f}, {summary['files']} files, "
                   f"{summary['bytes'] / 2**30:.2f} GiB, first file {summary['first_file_s']} s after start (load "
                   f"{summary.get('load_s')} s, warm-up {summary.get('warm_s')} s); "
                   f"pipeline {summary.get('pipeline')}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-            runs[" ".join(extra) or "bf16"] = summary
+            runs[f"{n} {name}" if args.state_checks_ab else name] = summary
+        if args.state_checks_ab:
+            on = [r["tokens_per_s"] for k, r in runs.items() if "no state checks" not in k]
+            off = [r["tokens_per_s"] for k, r in runs.items() if "no state checks" in k]
+            on_s = [r["steady"] for k, r in runs.items() if "no state checks" not in k]
+            off_s = [r["steady"] for k, r in runs.items() if "no state checks" in k]
+            print(f"state checks, the worker's whole loop: with {', '.join(f'{v:,.0f}' for v in on)} tok/s, without "
+                  f"{', '.join(f'{v:,.0f}' for v in off)}; mean with / without = {sum(on) / sum(off):.4f} (steady "
+                  f"{sum(on_s) / sum(off_s):.4f})", flush=True)
         if args.json:
             args.json.write_text(json.dumps({"workers": runs, "phases": PHASES}, indent=1))
         return 0
