@@ -305,7 +305,7 @@ class ShardRun(Shard):
         how many tokens' rows are all zeros and constant (a few reductions; no host sync: the writer reads them
         with the batch)."""
         rows_TLH = hidden_TW.reshape(hidden_TW.shape[0], layers, -1)
-        top_TL, bottom_TL = rows_TLH.amax(-1), rows_TLH.amin(-1)
+        bottom_TL, top_TL = torch.aminmax(rows_TLH, dim=-1)  # one pass for both
         constant_TL = top_TL == bottom_TL
         zero_TL = constant_TL & (top_TL == 0)
         squares_L = torch.linalg.vector_norm(rows_TLH, dim=(0, 2), dtype=torch.float32).square()
