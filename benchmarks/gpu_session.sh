@@ -130,8 +130,11 @@ print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
     [ "${TP_S:-330}" -gt 0 ] && timeout ${TP_S:-330} python3 benchmarks/gpu_throughput.py --kernels fused --sustained --no-reference --no-sink \
         --naive-samples 0 --samples ${SAMPLES:-600} --ceiling-batches 12 --fp8 --json "$OUT/tp32f.json" 2>&1 | quiet \
         | tee "$OUT/tp32f.log" | tail -25 ;;
-14)  # issue 38's state checks: the 32-layer bf16 worker with and without them, alternated (AB_S, AB: pairs); then
+14)  # issue 38's state checks: alone on one batch, then the 32-layer bf16 worker with and without them, alternated
+     # after a warm-up run (AB_S, AB: pairs); then
      # issue 40's profile table before and after `fused` at 64 layers (PROFILE_S), then the preflight's GPU facts
+    PYTHONPATH=src:benchmarks:/tmp/site timeout 60 python3 benchmarks/state_checks_micro.py 2>&1 | quiet \
+        | tee "$OUT/micro.log"
     [ "${AB_S:-240}" -gt 0 ] && timeout ${AB_S:-240} python3 benchmarks/gpu_throughput.py --worker-only \
         --state-checks-ab ${AB:-2} --kernels ${AB_KERNELS:-default} --samples ${SAMPLES:-400} --json "$OUT/ab.json" \
         2>&1 | quiet | tee "$OUT/ab.log" | grep "^worker\|^state\|model + data"

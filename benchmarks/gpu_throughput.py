@@ -227,7 +227,7 @@ class HostLoad:
 def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> dict[str, dict[str, int]]:
     """Where one batch makes the host wait for the GPU (torch's sync debug mode): the bare forward with the worker's
     masks made once, with the model's own, and the worker's whole device-side step (`LayerCapture.run` with its
-    hooks, the NaN flags, fp8's quantization). Returns {way: {"file:line": count}}, printed."""
+    hooks, the state checks, fp8's quantization). Returns {way: {"file:line": count}}, printed."""
     import warnings
 
     from hsextract.extract import ShardRun
@@ -243,7 +243,7 @@ def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> di
             capture.backbone.layers[i]._forward_hooks.update(h)
         try:
             states = capture.run(batch)
-            ShardRun.nonfinite_flags(batch, states)
+            ShardRun.check_states(batch, states, len(hooks))
             quantize(states["hidden_states"], capture.hidden_size)
         finally:
             for i in hooks:
@@ -255,7 +255,7 @@ def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> di
     found, made_once = {}, capture.masks
     ways = {"bare forward, masks made once": (made_once, lambda: capture.forward(ids)),
             "bare forward, the model's own masks": (None, lambda: capture.forward(ids)),
-            "the worker's step (run, NaN flags, fp8)": (made_once, worker_step)}
+            "the worker's step (run, state checks, fp8)": (made_once, worker_step)}
     for way, (masks, step) in ways.items():
         if way.endswith("made once") and masks is None:
             continue
@@ -433,44 +433,58 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     return out  # model and inputs are freed on return
 
 
+def nonfinite_only(batch, states: dict, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The worker's checks of the states as they were before issue 38: the NaN/Inf flags alone (one isfinite pass
+    per tensor), no layer statistics (zeros in their place: no layer is degenerate)."""
+    device = states["hidden_states"].device
+    lengths = torch.tensor([len(s) for s in batch], pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    sample_of_T = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths,
+                                          output_size=sum(len(s) for s in batch))
+    bad_B = torch.zeros(len(batch), device=device)
+    for tensor in states.values():
+        bad_B.index_add_(0, sample_of_T, (~torch.isfinite(tensor)).any(dim=1).float())
+    return bad_B > 0, torch.zeros(layers, 3, device=device)
+
+
 def state_checks(capture: LayerCapture, packed, layer_ids: list[int], run_capture) -> dict:
     """What the worker's checks of the states cost on the GPU (issue 38): the capture over the same batches with the
-    worker's per-batch checks after each forward (NaN/Inf flags, then the per-layer sums and all-zero/constant row
-    counts) and without, alternated three times; and the checks' own device time per batch (CUDA events)."""
+    worker's per-batch checks after each forward (`ShardRun.check_states`), with the checks of before (NaN/Inf
+    flags alone: `nonfinite_only`) and without any, alternated three times; and each one's device time over the
+    batches (CUDA events)."""
     from hsextract.extract import ShardRun
 
+    ways = {"none": None, "before (NaN/Inf flags)": nonfinite_only, "now (check_states)": ShardRun.check_states}
+
     @torch.inference_mode()
-    def checked(part=None):
+    def checked(check, timing: bool = False) -> float:
         spent = 0.0
         for batch in packed:
             states = capture.run(batch)
-            if part == "stats":
+            if check is None:
+                continue
+            if timing:
                 before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 before.record()
-            ShardRun.nonfinite_flags(batch, states)
-            if part == "stats":
-                ShardRun.layer_stats(states["hidden_states"], len(layer_ids))
+            check(batch, states, len(layer_ids))
+            if timing:
                 after.record()
                 after.synchronize()
                 spent += before.elapsed_time(after) / 1e3
-            else:
-                ShardRun.layer_stats(states["hidden_states"], len(layer_ids))
         return spent
 
     tokens = sum(len(s) for b in packed for s in b)
-    plain, with_checks = [], []
+    rates = {name: [] for name in ways}
     with phase("capture with and without the state checks"):
         for _ in range(3):
-            plain.append(tokens / timed(run_capture))
-            with_checks.append(tokens / timed(checked))
-    device_s = checked("stats")
-    capture_s = tokens / max(plain)
-    figures = {"capture": plain, "capture_checked": with_checks, "checks_device_s": device_s,
-               "checks_share": device_s / capture_s}
-    print(f"state checks (NaN/Inf flags + per-layer sums, zero and constant rows) over {len(packed)} batches: capture "
-          f"{max(plain):,.0f} tok/s without, {max(with_checks):,.0f} with (best of 3 each; "
-          f"{max(with_checks) / max(plain):.4f}x); their device time {device_s * 1e3:.1f} ms = "
-          f"{figures['checks_share']:.4%} of the capture's", flush=True)
+            for name, check in ways.items():
+                rates[name].append(tokens / timed(lambda check=check: checked(check)))
+    capture_s = tokens / max(rates["none"])
+    device_s = {name: checked(check, timing=True) for name, check in ways.items() if check is not None}
+    figures = {"rates": rates, "device_s": device_s, "capture_s": capture_s}
+    print(f"state checks over {len(packed)} batches, capture (best of 3): " + ", ".join(
+        f"{name} {max(r):,.0f} tok/s ({max(r) / max(rates['none']):.4f}x)" for name, r in rates.items())
+        + "; device time: " + ", ".join(f"{name} {s * 1e3:.1f} ms = {s / capture_s:.3%} of the capture's"
+                                        for name, s in device_s.items()), flush=True)
     return figures
 
 
@@ -563,12 +577,13 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
     return figures
 
 
-#: the worker with issue 38's per-batch layer statistics replaced by a constant (the NaN/Inf flags stay: they were
-#: there before), for the before/after of what the checks cost
+#: the worker with its checks of the states as before issue 38 (`nonfinite_only`: the NaN/Inf flags alone), for the
+#: before/after of what the checks cost (benchmarks/ on its PYTHONPATH)
 NO_STATE_CHECKS = """
-import runpy, sys, torch
+import runpy, sys
+from gpu_throughput import nonfinite_only
 from hsextract.extract import ShardRun
-ShardRun.layer_stats = staticmethod(lambda hidden, layers: torch.zeros(layers, 3, device=hidden.device))
+ShardRun.check_states = staticmethod(nonfinite_only)
 sys.argv = ["hsextract", *sys.argv[1:]]
 runpy.run_module("hsextract", run_name="__main__")
 """
@@ -589,8 +604,8 @@ def worker(model_dir: Path, data: Path, out: Path, layers: str, budget: int, *ex
            "--out", str(out), "--layers", layers, "--shard", "0", "--num-shards", "1", "--device", device,
            "--token-budget", str(budget), "--progress", "log", "--max-length", "4096",
            *(("--random-weights", str(SEED)) if random_weights else ()), *extra]
-    env = {**os.environ, **(env or {}),
-           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    paths = [str(ROOT / "src"), *(() if state_checks else (str(ROOT / "benchmarks"),)), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
     began = time.time()
     done = threading.Event()
     files: list[dict] = []

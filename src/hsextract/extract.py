@@ -259,8 +259,7 @@ class ShardRun(Shard):
             try:
                 with self.loop.forward():
                     states = capture.run([s.input_ids for s in part])
-                    states[BAD_KEY] = self.nonfinite_flags(part, states)
-                    states[STATS_KEY] = self.layer_stats(states["hidden_states"], len(capture.layer_ids))
+                    states[BAD_KEY], states[STATS_KEY] = self.check_states(part, states, len(capture.layer_ids))
                     if self.opts.out_dtype == "fp8_e4m3":  # after the NaN check, which needs the real values
                         states["hidden_states"], states[SCALE_KEY] = quantize(states["hidden_states"],
                                                                               capture.hidden_size)
@@ -288,28 +287,29 @@ class ShardRun(Shard):
             states = None
 
     @staticmethod
-    def nonfinite_flags(batch: list[Tokenized], states: dict) -> torch.Tensor:
-        """[B] bool on the states' device: which samples have a NaN or Inf anywhere (no host sync)."""
-        device = states["hidden_states"].device
+    def check_states(batch: list[Tokenized], states: dict, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checks of a batch's states on their device, with no host sync (the writer reads them with the batch):
+        [B] bool, which samples have a NaN or Inf anywhere; and [layers, 3] float32, per captured layer the sum of
+        squares of its states and how many tokens' rows are all zeros and constant.
+
+        Two passes over the captured states, whatever their size: one row min and max (NaN propagates through
+        both, an Inf is the min or the max: they also give the non-finite rows) and one sum of squares."""
+        hidden_TW = states["hidden_states"]
+        device = hidden_TW.device
+        rows_TLH = hidden_TW.reshape(hidden_TW.shape[0], layers, -1)
+        bottom_TL, top_TL = torch.aminmax(rows_TLH, dim=-1)
+        bad_T = ~(torch.isfinite(bottom_TL) & torch.isfinite(top_TL)).all(dim=1)
+        for key, tensor in states.items():
+            if key != "hidden_states":
+                bad_T |= ~torch.isfinite(tensor).all(dim=1)
         lengths = torch.tensor([len(s) for s in batch], pin_memory=device.type == "cuda").to(device, non_blocking=True)
         sample_of_T = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths,
                                               output_size=sum(len(s) for s in batch))
-        bad_B = torch.zeros(len(batch), device=device)
-        for tensor in states.values():
-            bad_B.index_add_(0, sample_of_T, (~torch.isfinite(tensor)).any(dim=1).float())
-        return bad_B > 0
-
-    @staticmethod
-    def layer_stats(hidden_TW: torch.Tensor, layers: int) -> torch.Tensor:
-        """[layers, 3] float32 on the states' device: per captured layer, the sum of squares of its states, and
-        how many tokens' rows are all zeros and constant (a few reductions; no host sync: the writer reads them
-        with the batch)."""
-        rows_TLH = hidden_TW.reshape(hidden_TW.shape[0], layers, -1)
-        bottom_TL, top_TL = torch.aminmax(rows_TLH, dim=-1)  # one pass for both
+        bad_B = torch.zeros(len(batch), device=device).index_add_(0, sample_of_T, bad_T.float()) > 0
         constant_TL = top_TL == bottom_TL
         zero_TL = constant_TL & (top_TL == 0)
         squares_L = torch.linalg.vector_norm(rows_TLH, dim=(0, 2), dtype=torch.float32).square()
-        return torch.stack([squares_L, zero_TL.sum(0).float(), constant_TL.sum(0).float()], dim=1)
+        return bad_B, torch.stack([squares_L, zero_TL.sum(0).float(), constant_TL.sum(0).float()], dim=1)
 
     def check_layers(self, batch: list[Tokenized], stats: list[list[float]]) -> list[float | None]:
         """DegenerateStates naming the layer when a captured layer is all zeros, or constant, for every token of
@@ -333,7 +333,7 @@ class ShardRun(Shard):
         return [_finite((b[0] / max(1, tokens * hidden)) ** 0.5) for b in stats]
 
     def drop_nonfinite(self, batch: list[Tokenized], states: dict, bad: list[bool]) -> tuple[list[Tokenized], dict]:
-        """Skip (with a reason) the samples flagged by `nonfinite_flags`; host tensors in, host tensors out."""
+        """Skip (with a reason) the samples flagged by `check_states`; host tensors in, host tensors out."""
         if not any(bad):
             return batch, states
         lengths = torch.tensor([len(s) for s in batch])

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .extract import ShardRun
 
 BAD_KEY = "_nonfinite"  # per-sample flags riding along with a batch's states to the writer thread
-STATS_KEY = "_layer_stats"  # per captured layer: sum of squares, all-zero rows, constant rows (`layer_stats`)
+STATS_KEY = "_layer_stats"  # per captured layer: sum of squares, all-zero rows, constant rows (`check_states`)
 
 
 class BatchWriter:
