@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_session.sh 13  # the fused kernels' correctness and error vs fp32, the 32-layer worker on them
 #   bash benchmarks/gpu_session.sh 14  # issue 38's state checks: the 32-layer worker with and without them; the profile
 #                                      # table before and after `fused` (64 layers); the preflight's GPU facts
+#   bash benchmarks/gpu_session.sh 15  # issue 38: the readers' checksum check, in-process, on the device's 16 cores
 #   bash benchmarks/gpu_session.sh 8   # the host syncs in a forward; the bare forward with the worker's masks made
 #                                      # once and with the model's own; quiet, beside the worker's host work, quiet
 #                                      # again (~5 min)
@@ -146,12 +147,18 @@ import subprocess
 from tasks.commands import facts_cmd, parse_facts
 out = subprocess.run(['sh', '-c', facts_cmd('/tmp/hsx-w', '/tmp')], capture_output=True, text=True).stdout
 print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
+15)  # issue 38: the readers' checksum check on a machine with spare cores (16 here; this repo's CPU machine has 2,
+     # where the hash thread, 9 GB/s with its page faults, is slower than the consumer's copy on the other core)
+    for prefetch in 2 4; do
+        PYTHONPATH=src:/tmp/site timeout ${READ_S:-120} python3 benchmarks/stream_read.py --no-s3 --workers 0 \
+            --epochs 4 --prefetch $prefetch 2>&1 | quiet | grep '"where"' | tee -a "$OUT/read.log"
+    done ;;
 12)  # issue 40: the 64-layer profile table and every lever beside the baseline (LEVERS: which; default all)
     timeout ${PROFILE_S:-570} python3 benchmarks/gpu_profile.py --model-layers ${MODEL_LAYERS:-64} \
         --levers ${LEVERS:-all} --deadline ${DEADLINE_S:-470} --json "$OUT/profile.json" 2>&1 | quiet \
         | tee "$OUT/profile.log"
     gzip -f "$OUT"/trace-*.json 2>/dev/null ;;
 *)
-    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14"; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null || true  # clocks() may have stopped it already
