@@ -19,6 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from flows.parameters import LayerSpec, OutputUri, Positive, Seconds
+from hsextract.errors import Retry
 from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM
 from hsextract.options import WorkerOptions as W
 from tasks.board import Board, run_key
@@ -38,7 +39,7 @@ from tasks.monitor import HostPool
 from tasks.orphans import close_orphans
 from tasks.plan import ROOT, RunIncomplete, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
-from tasks.rerun import completed, failed, incomplete, related_resources, unreconciled
+from tasks.rerun import completed, failed, incomplete, refused, related_resources, unreconciled
 from tasks.slots import run_shards
 from tasks.stage import dataset_here, settle_manifests
 
@@ -176,10 +177,7 @@ def extract(
         try:
             plan = plan_run(params, log)
         except ValueError as exc:  # refused before anything ran (another recipe, bad inventory, no credentials)
-            from prefect.states import Failed
-
-            log.error("run %s: %s", run_name_of(params), exc)
-            return Failed(message=str(exc), data=exc)
+            return refused(run_name_of(params), exc, log)
         tag_flow_run(plan.run)
         if (held := hold_if_cancelled(plan, params, log)) is not None:
             return held
@@ -225,7 +223,7 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
         if outcome in ("stopped", "cancelled"):
             failures[f"shard {shard}"] = Failure("", f"{outcome} on purpose (its worker was asked to stop): not "
                                                      f"re-run until a person starts the run again",
-                                                 retryable=False, shard=shard, num_shards=plan.num_shards)
+                                                 retry=Retry.NEVER, shard=shard, num_shards=plan.num_shards)
     outcomes = {**done, **{s: "done (already complete)" for s in plan.already}, **{s: "capped" for s in plan.capped},
                 **{s: "stopped" for s in plan.stopped}}
     summary = {"run_name": plan.run, "output": params["output"], "num_shards": plan.num_shards,

@@ -34,6 +34,8 @@ from prefect.artifacts import (
 )
 from prefect.events import emit_event
 
+from hsextract.errors import Retry
+
 from .attempts import AttemptRecord
 from .failures import one_line
 from .runstatus import RunProgress, render, totals
@@ -142,9 +144,9 @@ class Board:
         self.progress_updates = 0  # progress artifacts created or updated so far
 
     # --- what the flow tells it -------------------------------------------------------------------------
-    def set_state(self, shard: int, state: str, reason: str = "", retryable: bool = True, **payload) -> None:
+    def set_state(self, shard: int, state: str, reason: str = "", retry: Retry = Retry.LATER, **payload) -> None:
         """A state change: into the attempt record when the run leaves the shard there (a failure counted,
-        unless a re-run cannot help: `retryable` False), then the event `extract.shard.<state>`, and the
+        unless a re-run cannot help: `retry` NEVER), then the event `extract.shard.<state>`, and the
         view updated soon."""
         with self._lock:
             row = self.rows[shard]
@@ -157,7 +159,7 @@ class Board:
                 row.samples_total = row.samples_total or row.samples_done
             snapshot, pid = row.table(), row.pid
         if state == "failed":
-            self.attempts.failed(shard, snapshot["host"], reason, count=retryable)
+            self.attempts.failed(shard, snapshot["host"], reason, count=retry is not Retry.NEVER)
         if state in SETTLED:
             self.attempts.ended(shard, snapshot)
         self._emit(state, self._with_attempts(snapshot), reason, {**payload, "pid": pid})

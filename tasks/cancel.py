@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from hsextract.errors import Retry
 from hsextract.store import Store
 
 from .commands import alive_cmd, stop_cmd
@@ -348,7 +349,7 @@ def hold_stopped_shards(plan, params: dict, log) -> dict[int, str]:
         plan.todo.remove(shard)
         why = f"stopped on purpose ({marks[shard].get('why') or 'no reason given'}): not run by {automated}; " \
               f"a run started by hand runs it again"
-        plan.failures[f"shard {shard}"] = Failure("", why, retryable=False, shard=shard, num_shards=plan.num_shards)
+        plan.failures[f"shard {shard}"] = Failure("", why, retry=Retry.NEVER, shard=shard, num_shards=plan.num_shards)
         held[shard] = plan.stopped[shard] = why
     return held
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from hsextract.errors import Retry
 from hsextract.options import WorkerOptions
 
 from .bundle import Bundle
@@ -19,17 +20,17 @@ from .failures import Failure, last_line, one_line, said
 from .hosts import Host, HostError, connect
 from .inventory import Inventory
 from .stage import Staged, StageFailed, on_host, stage_host
-from .transient import is_transient
+from .transient import retry_of
 
 
 class DeployFailed(Exception):
-    """The host does not have a provably working copy of the bundle (or, `mistake`, the run's inputs are not
-    usable there: a re-run cannot fix that, a person must). The message's first line says why; the rest is
-    the evidence (command, what it printed)."""
+    """The host does not have a provably working copy of the bundle (or, `retry` NEVER, the run's inputs are not
+    usable there: a re-run cannot fix that, a person must; NOW: the task tries again at once). The message's first
+    line says why; the rest is the evidence (command, what it printed)."""
 
-    def __init__(self, message: str, transient: bool = False, mistake: bool = False):
-        super().__init__(message, transient, mistake)
-        self.transient, self.mistake = transient, mistake
+    def __init__(self, message: str, retry: Retry = Retry.LATER):
+        super().__init__(message, retry)
+        self.retry = retry
 
     def __str__(self) -> str:
         return self.args[0].split("\n", 1)[0]
@@ -90,7 +91,7 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
             host.put(bundle.data, tarball, timeout, mode=0o640)
         except HostError as exc:
             raise DeployFailed(f"host {host.name}: uploading the bundle ({len(bundle.data):,} bytes) to {tarball} "
-                               f"failed: {exc.reason}{_free_space(host, host.spec.workdir)}", exc.transient) from None
+                               f"failed: {exc.reason}{_free_space(host, host.spec.workdir)}", exc.retry) from None
         unpacked = host.run(unpack_bundle_cmd(host.spec.workdir, bundle.sha256, nonce), timeout)
         if not unpacked.stdout.startswith(f"SHA256 {bundle.sha256}\n") or not unpacked.ok:
             raise DeployFailed(f"host {host.name}: wrong bundle hash or unpack failed: {said(unpacked)}\n"
@@ -112,27 +113,25 @@ def deploy_host(host: Host, bundle: Bundle, version: str, timeout: float = 120.0
 
 def preflight_host(host: Host, bundle_sha256: str, options: list[str], timeout: float = 120.0) -> dict:
     """`hsextract check` on `host` with a shard's worker `options`: what it found (model type, layers...);
-    DeployFailed(mistake=True) naming the problem when a shard could not run there."""
+    DeployFailed (Retry.NEVER) naming the problem when a shard could not run there."""
     result = host.run(preflight_cmd(host.spec.workdir, bundle_sha256, host.spec.python, options), timeout)
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("CHECK ")), None)
     if result.ok and line is not None:
         return json.loads(line[6:])
     problem = last_line(result.stderr).removeprefix("hsextract: ")
     if result.returncode == 2 and problem:
-        raise DeployFailed(f"host {host.name}: {problem}\npreflight check: {result.describe()}", mistake=True)
+        raise DeployFailed(f"host {host.name}: {problem}\npreflight check: {result.describe()}", Retry.NEVER)
     raise DeployFailed(f"host {host.name}: the preflight check (`hsextract check`) gave no verdict: "
                        f"{said(result)}\n" + result.describe())
 
 
-def _retry_transient(task, task_run, state) -> bool:
+def _retry_now(task, task_run, state) -> bool:
     try:
         state.result()
-    except DeployFailed as exc:
-        return exc.transient
-    except HostError as exc:
-        return exc.transient
+    except (DeployFailed, HostError) as exc:
+        return exc.retry is Retry.NOW
     except Exception as exc:
-        return is_transient(exc)
+        return retry_of(exc) is Retry.NOW
     return False
 
 
@@ -142,13 +141,13 @@ def stage(host_name: str, host: Host, sources: dict, bundle_sha256: str, access)
     return stage_host(host, sources, bundle_sha256, access, get_run_logger())
 
 
-@task(name="deploy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_transient,
+@task(name="deploy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_now,
       task_run_name="deploy-{host_name}")
 def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str, checks: WorkerOptions | None = None,
            sources: dict | None = None, access=None) -> Deployed:
     """Task: `deploy_host` over a connection of its own, then the staged inputs (a `stage` task: `sources`, with
     the run's S3 `access`), then `preflight_host` with the worker options `checks` (when given) on the staged
-    paths; a transient failure is retried, a mistake in the inputs is not."""
+    paths; a failure that says Retry.NOW is tried again at once, a mistake in the inputs (NEVER) is not."""
     with connect(inventory.host(host_name), inventory) as host:
         deployed = deploy_host(host, bundle, version, synthetic=checks is not None and checks.synthetic is not None)
         staged = None
@@ -156,7 +155,7 @@ def deploy(host_name: str, inventory: Inventory, bundle: Bundle, version: str, c
             try:
                 staged = stage(host_name, host, sources, bundle.sha256, access)
             except StageFailed as exc:
-                raise DeployFailed(f"{exc}\n{exc.evidence}", transient=not exc.mistake, mistake=exc.mistake) from None
+                raise DeployFailed(f"{exc}\n{exc.evidence}", exc.retry) from None
             deployed = replace(deployed, staged=staged)
         found = preflight_host(host, bundle.sha256, on_host(checks, staged).argv()) if checks is not None else {}
     get_run_logger().info("host %s: bundle %s %s, %s, %s (%.1fs)%s", host_name, bundle.sha256[:12],
@@ -191,8 +190,7 @@ def _failure(name: str, state) -> Failure:
     try:
         state.result()
     except DeployFailed as exc:
-        return Failure(name, one_line(str(exc).removeprefix(f"host {name}: ")), exc.evidence,
-                       retryable=not exc.mistake)
+        return Failure(name, one_line(str(exc).removeprefix(f"host {name}: ")), exc.evidence, exc.retry)
     except Exception as exc:
         text = str(exc) or type(exc).__name__
         return Failure(name, one_line(text.removeprefix(f"host {name}: ")), text)

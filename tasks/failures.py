@@ -2,16 +2,18 @@
 
 A `Failure` is one failed shard or host: where (shard, host), `why` (one line: the reason, in the words of
 the thing that failed), `evidence` (the command, what it printed, the worker log's tail, the exit record)
-and whether trying again can help (`retryable`: a missing model directory, a bad argument or the same error
-on every shard cannot be fixed by a re-run). `summary` groups failures with the same reason into one line
-each, for the flow run's state message; `report` is the markdown of the `failure-<run>` artifact that holds
-the evidence.
+and whether trying again can help (`retry`, `hsextract.errors.Retry`, as the failure said it: a missing model
+directory, a bad argument or the same error on every shard is NEVER fixed by a re-run). `summary` groups failures
+with the same reason into one line each, for the flow run's state message; `report` is the markdown of the
+`failure-<run>` artifact that holds the evidence.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from hsextract.errors import Retry
 
 #: how long a reason may be on its line (the state message stays readable; the evidence has the rest)
 WHY_CHARS = 240
@@ -45,15 +47,15 @@ class Failure:
     host: str
     why: str
     evidence: str = ""
-    retryable: bool = True
+    retry: Retry = Retry.LATER
     shard: int | None = None
     num_shards: int = 0
 
     @property
     def where(self) -> str:
-        """`shard 3/8 on gpu-a`, `host gpu-a`, or `shard 3/8` before any host took it."""
+        """`shard 3/8 on gpu-a`, `host gpu-a`, `shard 3/8` before any host took it, or `the run` (refused whole)."""
         if self.shard is None:
-            return f"host {self.host}"
+            return f"host {self.host}" if self.host else "the run"
         return f"shard {self.shard}/{self.num_shards}" + (f" on {self.host}" if self.host else "")
 
     @property
@@ -111,7 +113,8 @@ def report(run: str, headline: str, failures: list[Failure]) -> str:
     """The markdown of the `failure-<run>` artifact: the headline, then every failure with its evidence."""
     parts = [f"# Run `{run}`: why it failed", "", headline, ""]
     for f in failures:
-        retry = "retried by the automation (under the attempt cap)" if f.retryable else "**not retried**: fix it first"
+        retry = ("**not retried**: fix it first" if f.retry is Retry.NEVER
+                 else "retried by the automation (under the attempt cap)")
         parts += [f"## {f.where}", "", f"**{f.why.replace('`', chr(39))}**", "", f"{retry}.", ""]
         if f.evidence.strip():
             parts += ["```text", f.evidence.strip().replace("```", "'''"), "```", ""]

@@ -18,11 +18,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsextract.errors import Retry
 from hsextract.store import make_dirs, write_atomic
 
 from .commands import quote
 from .inventory import HostSpec, Inventory
-from .transient import is_transient
+from .transient import retry_of
 
 UMASK = "027"  # what the product makes on a host is never world-readable, nor writable by the group
 
@@ -59,12 +60,13 @@ class Result:
 
 
 class HostError(Exception):
-    """The host could not be reached or did not answer in time: nothing is known about the command."""
+    """The host could not be reached or did not answer in time: nothing is known about the command. `retry`: NOW
+    for a blip (`transient.retry_of`), else LATER."""
 
-    def __init__(self, host: str, command: str, reason: str, transient: bool, sent: bool = True):
+    def __init__(self, host: str, command: str, reason: str, retry: Retry, sent: bool = True):
         super().__init__(f"host {host}: `{tail(command, 600)}`: {reason}" if sent else
                          f"host {host}: {reason} (so `{tail(command, 120)}` was never sent)")
-        self.host, self.command, self.reason, self.transient, self.sent = host, command, reason, transient, sent
+        self.host, self.command, self.reason, self.retry, self.sent = host, command, reason, retry, sent
 
 
 class Host(ABC):
@@ -108,7 +110,7 @@ class LocalHost(Host):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            raise HostError(self.name, command, f"no answer within {timeout:.0f}s (killed)", transient=True) from None
+            raise HostError(self.name, command, f"no answer within {timeout:.0f}s (killed)", Retry.NOW) from None
         return Result(self.name, command, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
 
     def put(self, data: bytes, path: str, timeout: float, mode: int = 0o600) -> None:
@@ -117,7 +119,7 @@ class LocalHost(Host):
             make_dirs(target.parent, int(UMASK, 8))
             write_atomic(target, data, mode)
         except OSError as exc:
-            raise HostError(self.name, f"put {path}", f"{exc.strerror or exc}", transient=False) from None
+            raise HostError(self.name, f"put {path}", f"{exc.strerror or exc}", Retry.LATER) from None
 
     def append_files(self, files: list[tuple[str | Path, str, int]], timeout: float) -> int:
         sent = 0
@@ -131,7 +133,7 @@ class LocalHost(Host):
                     shutil.copyfileobj(src, dst, 8 << 20)
                     sent += dst.tell() - offset
             except OSError as exc:
-                raise HostError(self.name, f"send {local} to {path}", f"{exc.strerror or exc}", False) from None
+                raise HostError(self.name, f"send {local} to {path}", f"{exc.strerror or exc}", Retry.LATER) from None
         return sent
 
 
@@ -214,16 +216,17 @@ class SshHost(Host):
             thread.join(deadline + self.timeouts.grace_s)
             if thread.is_alive():
                 self.close()
-                raise HostError(self.name, what, f"no answer within {deadline:.0f}s (link down or host hung)", True)
+                raise HostError(self.name, what, f"no answer within {deadline:.0f}s (link down or host hung)",
+                                Retry.NOW)
         if "error" in box:
             exc = box["error"]
             self.close()
             if box.get("connecting"):
                 spec = self.spec
                 raise HostError(self.name, what, f"cannot connect to {spec.user or ''}{'@' if spec.user else ''}"
-                                f"{spec.hostname}:{spec.port}: {type(exc).__name__}: {exc}", is_transient(exc),
+                                f"{spec.hostname}:{spec.port}: {type(exc).__name__}: {exc}", retry_of(exc),
                                 sent=False) from exc
-            raise HostError(self.name, what, f"{type(exc).__name__}: {exc}", is_transient(exc)) from exc
+            raise HostError(self.name, what, f"{type(exc).__name__}: {exc}", retry_of(exc)) from exc
         return box["value"]
 
     def run(self, command: str, timeout: float) -> Result:
@@ -296,7 +299,8 @@ class SshHost(Host):
         batch = "".join(f'{"reput" if offset else "put"} "{local}" "{path}"\n' for local, path, offset in files)
         what = f"sftp -b - <<< {tail(batch.strip(), 300)}"
         if any(c in str(p) for local, path, _ in files for p in (local, path) for c in '"\\\n\r'):
-            raise HostError(self.name, what, "a path with a quote, backslash or newline cannot be sent", False, False)
+            raise HostError(self.name, what, "a path with a quote, backslash or newline cannot be sent", Retry.LATER,
+                            False)
         spec, t = self.spec, self.timeouts
         size = sum(os.stat(local).st_size - offset for local, _, offset in files)
         args = ["sftp", "-b", "-", "-q", "-P", str(spec.port), "-R", "128", "-o", "BatchMode=yes",
@@ -313,11 +317,13 @@ class SshHost(Host):
         try:
             proc = subprocess.run(args, input=batch.encode(), capture_output=True, timeout=t.connect_s + timeout)
         except subprocess.TimeoutExpired:
-            raise HostError(self.name, what, f"no end within {t.connect_s + timeout:.0f}s (killed)", True) from None
+            raise HostError(self.name, what, f"no end within {t.connect_s + timeout:.0f}s (killed)",
+                            Retry.NOW) from None
         if proc.returncode != 0:
             said = tail(proc.stderr.decode(errors="replace").strip() or proc.stdout.decode(errors="replace").strip()
                         or "it printed nothing", 600)
-            raise HostError(self.name, what, f"sftp exited {proc.returncode}: {said}", proc.returncode == 255)
+            raise HostError(self.name, what, f"sftp exited {proc.returncode}: {said}",
+                            Retry.NOW if proc.returncode == 255 else Retry.LATER)
         return size
 
     def close(self) -> None:

@@ -21,6 +21,8 @@ import threading
 import time
 import uuid
 
+from hsextract.errors import Retry
+
 from .commands import Probe, parse_probe, parse_probe_many, probe_cmd, probe_many_cmd
 from .hosts import MAX_CHANNELS, Host, HostError, connect
 from .inventory import Inventory
@@ -65,7 +67,7 @@ class HostMonitor:
              wait_s: float | None = None) -> tuple[int, Probe | HostError] | None:
         """The first reading after reading `after` that covers `key` (its probe, or the round trip's error);
         None once `cancel` is set (the pool wakes every waiter then). After `wait_s` without one (a round trip
-        hanging on a host cut off), a transient HostError saying so."""
+        hanging on a host cut off), a HostError (retry NOW) saying so."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
         with self.cond:
             while not cancel.is_set() and not self.stopped:
@@ -73,7 +75,7 @@ class HostMonitor:
                     return self.seq, self.error if self.error is not None else self.probes[key]
                 if deadline is not None and time.monotonic() >= deadline:
                     return after, HostError(self.host.name, "the probe round trip", f"no answer for {wait_s:.0f}s "
-                                            f"(the round trip has not come back)", transient=True)
+                                            f"(the round trip has not come back)", Retry.NOW)
                 self.cond.wait(1.0 if deadline is None else max(0.01, min(1.0, deadline - time.monotonic())))
             return None
 
@@ -120,12 +122,12 @@ class HostMonitor:
         try:
             result = self.host.run(command, self.timeout_s)
         except HostError as exc:
-            return {}, HostError(self.host.name, what, exc.reason, exc.transient, exc.sent)
+            return {}, HostError(self.host.name, what, exc.reason, exc.retry, exc.sent)
         probes = parse_probe_many(result.stdout, nonce)
         if not result.ok or not set(shards) <= set(probes):
             said = (result.stderr or result.stdout).strip()[-300:] or "nothing"
             return {}, HostError(self.host.name, what, f"no complete answer (exit {result.returncode}, it printed: "
-                                 f"{said})", transient=True)
+                                 f"{said})", Retry.NOW)
         return probes, None
 
 
@@ -155,7 +157,7 @@ class ShardWatch:
             return None
         self.seen, reading = got
         if isinstance(reading, HostError):  # every shard of the host gets its own copy of the round trip's error
-            raise HostError(reading.host, reading.command, reading.reason, reading.transient, reading.sent)
+            raise HostError(reading.host, reading.command, reading.reason, reading.retry, reading.sent)
         return reading
 
     def detail(self, state: Probe) -> Probe:

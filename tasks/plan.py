@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hsextract.errors import CorruptOutput, UsageError
+from hsextract.errors import CorruptOutput, Retry, UsageError
 from hsextract.journal import OutputState
 from hsextract.layers import parse_layer_spec
 from hsextract.options import WorkerOptions
@@ -184,7 +184,7 @@ def plan_run(p: dict, log) -> Plan:
         plan.failures[f"shard {s}"] = Failure(
             seen.last_failed_host, f"attempt cap reached: failed {seen.failed_attempts} time(s) (max_attempts="
             f"{p['max_attempts']}), last: {seen.last_error or '?'}; not launched again: fix the cause, then run "
-            f"with reset_attempts=true", retryable=False, shard=s, num_shards=num_shards)
+            f"with reset_attempts=true", retry=Retry.NEVER, shard=s, num_shards=num_shards)
     log.info("run %s: %d shard(s) requested, %d already complete, %d at the attempt cap, %d GPU slot(s) on "
              "%d host(s)", run, len(requested), len(already), len(capped), len(inventory.slots), len(inventory.hosts))
     return plan

@@ -18,8 +18,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 from prefect.states import Failed, State
 
+from hsextract.errors import Retry
+
 from .board import run_key
-from .failures import NOT_LAUNCHED, Failure, grouped, report, same_cause, shard_list, summary
+from .failures import NOT_LAUNCHED, WHY_CHARS, Failure, grouped, one_line, report, same_cause, shard_list, summary
 from .plan import Plan, RunIncomplete
 
 RERUN_EVENT = "extract.run.incomplete"
@@ -85,12 +87,13 @@ def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure],
     (none of them done)."""
     launched = [f for f in failures.values() if f.shard is not None and f.shard in plan.todo]
     if failures and same_cause(launched) and not any(v == "done" for v in shards.values()):
-        plan.attempts.forgive([f.shard for f in launched if f.retryable])
-        failures = {k: replace(f, retryable=False) if f in launched else f for k, f in failures.items()}
+        plan.attempts.forgive([f.shard for f in launched if f.retry is not Retry.NEVER])
+        failures = {k: replace(f, retry=Retry.NEVER) if f in launched else f for k, f in failures.items()}
     ended = [s for s in plan.requested if shards[str(s)] not in ("done", "done (already complete)")]
     stopped = [s for s in ended if shards[str(s)] in ("stopped", "cancelled")]  # on purpose: not failures
     failed = [s for s in ended if s not in stopped]
-    mistakes = sorted({f.shard for f in failures.values() if f.shard is not None and not f.retryable} & set(failed))
+    mistakes = sorted({f.shard for f in failures.values() if f.shard is not None and f.retry is Retry.NEVER}
+                      & set(failed))
     rerun = [s for s in failed if s not in mistakes and plan.attempts.get(s).failed_attempts < params["max_attempts"]]
     capped = sorted(set(failed) - set(rerun) - set(mistakes))
     fix = "not retried (a re-run cannot fix this): fix it, then run again"
@@ -105,26 +108,46 @@ def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure],
     if not failed:
         head = (f"run {plan.run}: {note}" if stopped else
                 f"run {plan.run}: every shard is done, but {len(failures)} host(s) failed; {note}")
-    return _verdict(plan, head, list(failures.values()), log)
+    return _verdict(plan.run, head, list(failures.values()), log)
 
 
-def _verdict(plan: Plan, head: str, failures: list[Failure], log) -> RunIncomplete:
+def refused(run: str, error: Exception, log) -> State:
+    """End a run refused before anything ran (another recipe, a bad inventory, no credentials, a source changed
+    under its manifest) as a failed shard ends one: Failed with the refusal's own message, its evidence in the
+    `failure-<run>` artifact (whose address ends the message), the event `extract.run.failed`; never retried."""
+    why = str(error) or type(error).__name__
+    failure = Failure("", one_line(why), why if "\n" in why or len(why) > WHY_CHARS else "", Retry.NEVER)
+    where = _evidence(run, f"run {run}: refused before anything ran; not retried (a re-run cannot fix this)",
+                      [failure], log)
+    message = f"{why}\n{where}"
+    log.error("run %s: %s", run, message)
+    announce(run, "failed", failure.why, {"message": message, "failures": 1})
+    return Failed(message=message, data=RunIncomplete(message, why))
+
+
+def _evidence(run: str, head: str, failures: list[Failure], log) -> str:
+    """The `failure-<run>` artifact (`head`, then every failure with its evidence) published; the line that says
+    where it is (its address when the UI's is known)."""
+    key = f"failure-{run_key(run)}"
+    try:
+        create_markdown_artifact(report(run, head, failures), key=key, description=head[:500])
+        return f"evidence: artifact {key}" + (f" ({_ui_url()}/artifacts/key/{key})" if _ui_url() else "")
+    except Exception as exc:  # the verdict stands without its artifact; say where the evidence is instead
+        log.warning("run %s: artifact %s not published: %s", run, key, exc)
+        return "evidence: this run's logs"
+
+
+def _verdict(run: str, head: str, failures: list[Failure], log) -> RunIncomplete:
     """RunIncomplete with `head` and one line per cause; the evidence goes to the `failure-<run>` artifact
     (its address ends the message) and the old-style list of every failure to `details`."""
-    key = f"failure-{run_key(plan.run)}"
-    try:
-        create_markdown_artifact(report(plan.run, head, failures), key=key, description=head[:500])
-        where = f"evidence: artifact {key}" + (f" ({_ui_url()}/artifacts/key/{key})" if _ui_url() else "")
-    except Exception as exc:  # the verdict stands without its artifact; say where the evidence is instead
-        log.warning("run %s: artifact %s not published: %s", plan.run, key, exc)
-        where = "evidence: this run's logs"
+    where = _evidence(run, head, failures, log)
     hosts = [f for f in failures if f.shard is None]  # shards no host could take: the host lines say why
     told = [f for f in failures if not (hosts and f.shard is not None and f.why.startswith(NOT_LAUNCHED))]
     causes = summary(told)
     message = f"{head}\n{causes}\n{where}"
     log.error("%s", message)
     first, more = causes.split("\n")[0].removeprefix("- "), len(grouped(told)) - 1
-    announce(plan.run, "failed", first + (f" (and {more} more cause(s))" if more else ""),
+    announce(run, "failed", first + (f" (and {more} more cause(s))" if more else ""),
              {"message": message, "failures": len(failures)})
     details = "\n".join(f"- {f.evidence or f'{f.where}: {f.why}'}" for f in failures)
     return RunIncomplete(message, f"{head}:\n{details}")
@@ -173,4 +196,4 @@ def unreconciled(plan: Plan, checked: dict, params: dict, log) -> RunIncomplete 
     head = f"run {plan.run}: reconcile found {checked['missing']} sample(s) missing; {note}"
     why = (f"{checked['missing_objects']} object(s) missing, {checked['corrupt_objects']} corrupt: the journals now "
            f"say which files were lost, so a re-run redoes exactly those samples")
-    return _verdict(plan, head, [Failure("", why, shard=s, num_shards=plan.num_shards) for s in redo], log)
+    return _verdict(plan.run, head, [Failure("", why, shard=s, num_shards=plan.num_shards) for s in redo], log)

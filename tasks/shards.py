@@ -17,7 +17,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from hsextract.errors import USAGE_EXIT
+from hsextract.errors import USAGE_EXIT, Retry
 from hsextract.journal import JOURNAL_NAME, shard_dir_name
 from hsextract.liveness import STOP_KINDS
 from hsextract.options import WorkerOptions
@@ -51,7 +51,7 @@ class ShardFailed(Exception):
 
     @property
     def failure(self) -> Failure:
-        """The shard's `Failure`: where, the one line that says why, the evidence, retryable."""
+        """The shard's `Failure`: where, the one line that says why, the evidence, its retry."""
         return self.args[1]
 
 
@@ -160,7 +160,7 @@ def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Resul
     """The shard's error: `what` happened, with the command's result and the worker log's tail as evidence.
     The one-line reason is `what` (with the worker's exit reason in it), or `what` and the last line the
     command or the log printed (`quote_log`); a worker's bad-argument exit (code 2, see hsextract.errors) is
-    not retryable."""
+    Retry.NEVER."""
     parts = [f"{job.label}: {what}"]
     said = ""
     if result is not None:
@@ -170,8 +170,8 @@ def _failure(job: ShardJob, what: str, probe: Probe | None = None, result: Resul
         parts.append(f"worker log ({job.control_dir}/worker.log) tail:\n{tail(probe.log).strip() or '(empty)'}")
         said = last_line(tail(probe.log, 4000)) or said
     why = what if code is not None or not said or not quote_log else f"{what}; it printed last: {said}"
-    failure = Failure(job.host, one_line(why), "\n".join(parts), retryable=code != USAGE_EXIT, shard=job.shard,
-                      num_shards=job.num_shards)
+    failure = Failure(job.host, one_line(why), "\n".join(parts), Retry.NEVER if code == USAGE_EXIT else Retry.LATER,
+                      shard=job.shard, num_shards=job.num_shards)
     return ShardFailed("\n".join(parts), failure)
 
 
@@ -263,7 +263,7 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
             state = watch.next(cancel, max(1.0, deadlines.host_timeout_s - (time.monotonic() - last_ok)) + 0.5)
         except HostError as exc:
             down = time.monotonic() - last_ok
-            if not exc.transient or down > deadlines.host_timeout_s:
+            if exc.retry is not Retry.NOW or down > deadlines.host_timeout_s:
                 raise _failure(job, f"host unreachable for {down:.0f}s: {exc}") from None
             continue
         if state is None:
@@ -333,7 +333,7 @@ def remove_credentials_file(job: ShardJob, inventory: Inventory, timeout: float 
         result = host.run(f"rm -f {quote(job.options.aws_credentials_file)}", timeout)
     if not result.ok:
         raise HostError(job.host, result.command, f"could not remove the credentials file: {result.describe()}",
-                        transient=False)
+                        Retry.LATER)
 
 
 @task(name="launch", cache_policy=NO_CACHE, task_run_name="launch-shard-{job.shard}")

@@ -18,6 +18,8 @@ from collections import deque
 from prefect import get_run_logger
 from prefect.states import State
 
+from hsextract.errors import Retry
+
 from .board import Board
 from .cancel import Cancel, signal_name
 from .failures import NOT_LAUNCHED, Failure, one_line
@@ -41,10 +43,11 @@ def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[
     if not free:
         hosts = list((host_failures or {}).values())
         why = f"{NOT_LAUNCHED} its deploy and preflight checks (see the host lines)"
-        retryable = not hosts or any(f.retryable for f in hosts)  # only mistakes: a re-run cannot help
+        # only mistakes among the hosts' failures: a re-run cannot help
+        retry = Retry.NEVER if hosts and all(f.retry is Retry.NEVER for f in hosts) else Retry.LATER
         for shard in todo:
-            board.set_state(shard, "failed", why, retryable=retryable)
-        return {}, {f"shard {shard}": Failure("", one_line(why), retryable=retryable, shard=shard,
+            board.set_state(shard, "failed", why, retry)
+        return {}, {f"shard {shard}": Failure("", one_line(why), retry=retry, shard=shard,
                                               num_shards=plan.num_shards) for shard in todo}
     driver = Driver(plan, board, first_wave=min(len(todo), len(free)), cancel=cancel, pool=pool)
     outcomes, failures = {}, {}
@@ -139,9 +142,9 @@ class Driver:
                 board.set_state(job.shard, "cancelled", why)
                 self.log.warning("%s cancelled: %s", job.label, why)
                 return "cancelled"
-            board.set_state(job.shard, "failed", failure.why, retryable=failure.retryable)
+            board.set_state(job.shard, "failed", failure.why, failure.retry)
             self.log.error("%s failed: %s%s", job.label, failure.why,
-                           "" if failure.retryable else " (not retried: a re-run cannot fix this)")
+                           " (not retried: a re-run cannot fix this)" if failure.retry is Retry.NEVER else "")
             raise
         finally:
             try:

@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hsextract.errors import Retry
 from hsextract.options import WorkerOptions
 from hsextract.sources import (
     PRUNE_AFTER_S,
@@ -52,11 +53,11 @@ BASE_TIMEOUT_S = 120.0
 
 
 class StageFailed(Exception):
-    """Staging on a host failed; `mistake`: the input is wrong (no retry helps), else it may be transient."""
+    """Staging on a host failed; `retry` NEVER: the input is wrong; NOW (the default): it may be a blip."""
 
-    def __init__(self, message: str, evidence: str = "", mistake: bool = False):
+    def __init__(self, message: str, evidence: str = "", retry: Retry = Retry.NOW):
         super().__init__(message)
-        self.evidence, self.mistake = evidence, mistake
+        self.evidence, self.retry = evidence, retry
 
 
 def is_staged(uri: str) -> bool:
@@ -140,7 +141,7 @@ def _run_stage(host: Host, command: str, timeout: float, what: str) -> list[dict
     if result.ok and line is not None:
         return json.loads(line[6:])
     raise StageFailed(f"host {host.name}: staging {what}: {said(result).removeprefix('hsextract: ')}",
-                      result.describe(), mistake=result.returncode == 2)
+                      result.describe(), Retry.NEVER if result.returncode == 2 else Retry.NOW)
 
 
 def _prunable(host: Host, bundle_sha256: str, manifests: list[str]) -> int:
@@ -181,7 +182,7 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
             raise StageFailed(f"host {host.name}: staging needs {need:,} bytes in {cache} ("
                               + ", ".join(f"{r} {s['missing_bytes']:,}" for r, s in status.items())
                               + f"), which has {free:,} free: nothing sent; {prune}free space there, or give it a "
-                              f"workdir on a larger disk", mistake=True)
+                              f"workdir on a larger disk", retry=Retry.NEVER)
         got = {}
         if s3 := [r for r in roles if sources[r].from_s3]:
             timeout = BASE_TIMEOUT_S + sum(status[r]["missing_bytes"] for r in s3) / MIN_RATE
@@ -237,10 +238,10 @@ def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests:
                 size = local.stat().st_size
             except OSError as exc:
                 raise StageFailed(f"host {host.name}: staging {source.uri}: {local}: {exc.strerror or exc}",
-                                  mistake=True) from None
+                                  retry=Retry.NEVER) from None
             if size != entry.size:
                 raise StageFailed(f"host {host.name}: staging {source.uri}: {local} changed since its manifest was "
-                                  f"made ({size:,} bytes, manifest {entry.size:,})", mistake=True)
+                                  f"made ({size:,} bytes, manifest {entry.size:,})", retry=Retry.NEVER)
             if offset < entry.size:
                 files.append((local, str(cache.partial(entry, source.manifest.source)), offset))
                 sent[role] += entry.size - offset

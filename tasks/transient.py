@@ -20,6 +20,8 @@ import errno
 import re
 import socket
 
+from hsextract.errors import Retry
+
 try:  # only to name exception types
     from paramiko import ssh_exception as _pe
 except ImportError:  # pragma: no cover - paramiko is an orchestrate dependency
@@ -29,7 +31,7 @@ try:
 except ImportError:  # pragma: no cover
     _ie = None  # type: ignore[assignment]
 
-__all__ = ["is_transient", "RULES"]
+__all__ = ["is_transient", "retry_of", "RULES"]
 
 # (pattern, transient?) over the message, case-insensitive; the first that matches decides. Where each text
 # comes from is in the comment; tests/unit/test_transient.py produces most of them for real.
@@ -191,3 +193,9 @@ def is_transient(error: BaseException | str) -> bool:
             return verdict
         queue.extend(_wrapped(e))
     return False
+
+
+def retry_of(error: BaseException | str) -> Retry:
+    """`Retry.NOW` for an SSH failure a retry may cure at once (`is_transient`), else `Retry.LATER`: nothing in an
+    SSH failure alone says that a later re-run cannot help."""
+    return Retry.NOW if is_transient(error) else Retry.LATER

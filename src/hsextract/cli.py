@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import USAGE_EXIT
+from .errors import USAGE_EXIT, Retry
 from .liveness import Heartbeat, Progress, announce_start
 from .options import EXPORT_FORMATS, WorkerOptions
 from .say import shard_log
@@ -265,7 +265,7 @@ def stage_command(args) -> int:
                 out.append({**vars(got), "view": str(cache.view(complete)), "id": complete.id})
     except (sources.StageError, OSError) as exc:
         print(f"hsextract: {exc}", file=sys.stderr)
-        return 1 if getattr(exc, "transient", False) else USAGE_EXIT  # exit 1: a retry may help
+        return USAGE_EXIT if getattr(exc, "retry", Retry.NEVER) is Retry.NEVER else 1  # exit 1: a retry may help
     finally:
         if args.aws_credentials_file is not None:
             args.aws_credentials_file.unlink(missing_ok=True)

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import HsExtractError
+
 _CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446  # the same on x86_64 and aarch64
 _CREATE_RULESET_VERSION = 1
 _RULE_PATH_BENEATH = 1
@@ -41,7 +43,7 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-class ConfineError(OSError):
+class ConfineError(HsExtractError, OSError):
     """Landlock is missing or refused the ruleset (with mode "on" this stops the worker)."""
 
 

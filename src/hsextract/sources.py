@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .errors import HsExtractError, Retry
 from .store.local import sha256_file, sha256_hash
 from .store.s3 import error_code, split_uri
 
@@ -41,13 +42,13 @@ _READ = 8 << 20
 PRUNE_AFTER_S = 14 * 86400  # `hsextract stage prune`'s default: what no staging used for two weeks
 
 
-class StageError(Exception):
-    """A source or a staged file is not what its manifest says, or cannot be read (names the file).
-    `transient`: the store did not answer (a retry may help), as opposed to a source that is wrong."""
+class StageError(HsExtractError):
+    """A source or a staged file is not what its manifest says, or cannot be read (names the file). `retry`:
+    NOW when the store did not answer, NEVER (the default) when the source is wrong."""
 
-    def __init__(self, message: str, transient: bool = False):
+    def __init__(self, message: str, retry: Retry = Retry.NEVER):
         super().__init__(message)
-        self.transient = transient
+        self.retry = retry
 
 
 @dataclass(frozen=True)
@@ -515,7 +516,8 @@ class Cache:
                        else "the object changed since it was listed (ETag)" if changed
                        else f"{type(exc).__name__}: {exc}")
                 raise StageError(f"{host}: {f.source}: {f.entry.path}: {where}: {why}",
-                                 transient=not (gone or changed or code in ("AccessDenied", "NoSuchBucket"))) from None
+                                 retry=Retry.NEVER if gone or changed or code in ("AccessDenied", "NoSuchBucket")
+                                 else Retry.NOW) from None
             if len(data) != end - start:
                 raise StageError(f"{host}: {f.source}: {f.entry.path}: {where} returned {len(data):,} bytes")
             return data

@@ -26,15 +26,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import HsExtractError
 from .journal import JOURNAL_NAME, line, read_entries, retractions_missing
 from .store import LocalStore, S3Store, Store, journal_keys
 
 
-class CorruptFile(Exception):
+class CorruptFile(HsExtractError):
     """The local file does not match its journal entry: uploading it would ship bad data."""
 
 
-class UploadMismatch(Exception):
+class UploadMismatch(HsExtractError):
     """S3 holds something other than what was sent (size or checksum differ)."""
 
 
@@ -342,7 +343,7 @@ class BackgroundUploader:
         self.raise_if_failed()
 
 
-class UploadFailed(Exception):
+class UploadFailed(HsExtractError):
     """The uploader gave up (after retries) or found a mismatch: the shard cannot complete."""
 
 

@@ -92,6 +92,17 @@ def test_the_flow_refuses_other_layers_on_a_sealed_output(prefect_server, tiny_m
     assert state.is_failed()
     assert "layer_ids [1, 2] asked, [1, 3, 5] in the output" in state.message and "new output" in state.message
     assert snapshot(tmp_path / "out") == before
+    # refused at plan time, told as a host's failure is: the message ends where its evidence is, the artifact
+    # says it is not retried, and no "Flow run encountered an exception"
+    assert state.message.splitlines()[-1].startswith("evidence: artifact failure-recipe"), state.message
+    assert "encountered an exception" not in state.message
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        (report,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failure-recipe"])))
+    assert "refused before anything ran" in report.data and "**not retried**" in report.data, report.data
+    assert "## the run" in report.data and "layer_ids [1, 2] asked" in report.data, report.data
 
 
 def test_the_flow_fails_a_worker_with_another_checkpoint_without_retrying_it(prefect_server, tiny_model, other_model,

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from harness.inventory import ssh_host_entry, write_inventory
 from hsextract import tiny
+from hsextract.errors import Retry
+from hsextract.options import WorkerOptions
 from tasks.bundle import build_bundle
 from tasks.deploy import DeployFailed, deploy_host
 from tasks.hosts import HostError, SshHost, connect
 from tasks.inventory import parse_inventory
-from hsextract.options import WorkerOptions
 from tasks.shards import Deadlines, ShardFailed, ShardJob, launch_shard, probe, supervise_shard
-
-from harness.inventory import ssh_host_entry, write_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 1.0
@@ -199,7 +199,7 @@ def test_unknown_host_key_refused_unless_opted_in(env, farm, tmp_path):
     inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
     with SshHost(inventory.hosts[0], inventory) as host, pytest.raises(HostError) as err:
         host.run("true", 5)
-    assert "not found in known_hosts" in str(err.value) and not err.value.transient
+    assert "not found in known_hosts" in str(err.value) and err.value.retry is not Retry.NOW
     assert "cannot connect to" in str(err.value) and "was never sent" in str(err.value)
     entry["known_hosts"] = str(farm.known_hosts_with_wrong_key("h2"))
     inventory = parse_inventory(write_inventory(tmp_path / "i.yaml", [entry]).read_text())
@@ -221,7 +221,7 @@ def test_command_past_its_timeout_is_a_timeout_and_the_host_still_answers(env):
             with pytest.raises(HostError) as err:
                 host.run("sleep 30", 1)
             assert "still running after 1s" in str(err.value) and "sleep 30" in str(err.value), err.value
-            assert err.value.transient and time.monotonic() - started < 10
+            assert err.value.retry is Retry.NOW and time.monotonic() - started < 10
         assert host.run("echo back", 5).stdout == "back\n"
 
 
@@ -302,8 +302,8 @@ def test_stop_workers_stops_the_runs_workers_on_every_host_and_a_relaunch_resume
     """Two shards of one run on two hosts, extracting: one `stop_workers` SIGTERMs both (each finishes the file
     in flight, journals it, and names the stop request in its exit record); supervise ends ShardStopped, not a
     failure; a launch afterwards resumes each shard to every sample exactly once."""
-    from hsextract import read_samples
     from harness.worker import dataset_ids
+    from hsextract import read_samples
     from tasks.cancel import stop_workers
     from tasks.shards import ShardStopped
 

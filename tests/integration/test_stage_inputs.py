@@ -15,7 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from harness.fleet import s3_for
+from harness.inventory import ssh_host_entry, write_inventory
 from hsextract import tiny
+from hsextract.errors import Retry
 from hsextract.records import iter_ids
 from hsextract.sources import Cache, Manifest, local_manifest, manifest_uri
 from tasks.bundle import build_bundle
@@ -23,11 +26,15 @@ from tasks.credentials import S3Access
 from tasks.deploy import deploy_host
 from tasks.hosts import connect
 from tasks.inventory import parse_inventory
-from tasks.stage import (StageFailed, cache_dir, dataset_here, resolve_source, resolve_sources, settle_manifests,
-                         stage_host)
-
-from harness.fleet import s3_for
-from harness.inventory import ssh_host_entry, write_inventory
+from tasks.stage import (
+    StageFailed,
+    cache_dir,
+    dataset_here,
+    resolve_source,
+    resolve_sources,
+    settle_manifests,
+    stage_host,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "stage-inputs"
@@ -176,7 +183,7 @@ def test_a_wrong_manifest_is_named_and_a_corrected_rerun_resumes(env):
     with pytest.raises(StageFailed) as err:
         stage_on(env, "h1", {"model": source})
     text = str(err.value)
-    assert err.value.mistake and "host h1" in text and "model.safetensors" in text
+    assert err.value.retry is Retry.NEVER and "host h1" in text and "model.safetensors" in text
     assert "does not match its manifest" in text and manifest_uri(uri) in text
     # corrected: the right manifest; what was staged before (config.json) is not sent again
     client.put_object(Bucket=BUCKET, Key="bad.hsextract-manifest.json",
@@ -209,7 +216,7 @@ def test_a_host_without_the_space_fails_before_a_byte_is_sent(env):
         with pytest.raises(StageFailed) as err:
             stage_host(host, sources, env["bundle"].sha256, env["access"])
         text = str(err.value)
-        assert err.value.mistake and "host small" in text and "nothing sent" in text
+        assert err.value.retry is Retry.NEVER and "host small" in text and "nothing sent" in text
         assert f"needs {sources['model'].manifest.size:,} bytes" in text
         assert host.run(f"find {cache}/partial -type f", 30).stdout.split() == [abandoned]
         # the message names the command that frees what no staging used lately, and it does

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hsextract.errors import Retry
 from tasks.failures import Failure, grouped, one_line, report, same_cause, shard_list, summary
 from tasks.runstatus import RunProgress, render, totals
 
@@ -20,7 +21,7 @@ def test_one_cause_on_many_shards_is_one_line():
 
 
 def test_hosts_keep_their_own_lines_and_long_lists_are_cut():
-    hosts = [Failure(f"h{i}", "--model '/m': no such directory", retryable=False) for i in range(2)]
+    hosts = [Failure(f"h{i}", "--model '/m': no such directory", retry=Retry.NEVER) for i in range(2)]
     assert grouped(hosts) == [("host h0, host h1", "--model '/m': no such directory")]
     many = [shard(i, f"error kind {'abcdefghijkl'[i]}") for i in range(12)]
     lines = summary(many).splitlines()
@@ -37,7 +38,7 @@ def test_same_cause_needs_two_shards_a_worker_exit_and_one_reason():
 
 
 def test_report_holds_every_failure_with_its_evidence():
-    text = report("r1", "run r1: 2 of 8 shard(s) failed", [shard(0, "boom ``` x", retryable=False), shard(1, "b")])
+    text = report("r1", "run r1: 2 of 8 shard(s) failed", [shard(0, "boom ``` x", retry=Retry.NEVER), shard(1, "b")])
     assert text.count("## shard") == 2 and "log of shard 0" in text and "**not retried**" in text
     assert text.count("```") == 4, "evidence fences are not broken by the evidence"
 

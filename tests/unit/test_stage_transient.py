@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hsextract.errors import Retry
 from hsextract.sources import Cache, Entry, Manifest, StageError
 from hsextract.store import s3_client
 
@@ -56,7 +57,7 @@ def test_a_store_that_refuses_connections_is_transient_and_nothing_is_placed(tmp
     cache = Cache(tmp_path / "inputs")
     with pytest.raises(StageError) as failed:
         cache.fetch(client(f"http://127.0.0.1:{closed_port()}"), [MANIFEST], "h1")
-    assert failed.value.transient, str(failed.value)
+    assert failed.value.retry is Retry.NOW, str(failed.value)
     said = str(failed.value)
     assert "h1: s3://stage-bucket/model: config.json: GET s3://stage-bucket/model/config.json bytes 0-9" in said
     assert "Could not connect" in said
@@ -66,7 +67,7 @@ def test_a_store_that_refuses_connections_is_transient_and_nothing_is_placed(tmp
 def test_a_store_that_answers_503_is_transient(tmp_path, busy_store):
     with pytest.raises(StageError) as failed:
         Cache(tmp_path / "inputs").fetch(client(busy_store), [MANIFEST], "h1")
-    assert failed.value.transient and "ServiceUnavailable" in str(failed.value), str(failed.value)
+    assert failed.value.retry is Retry.NOW and "ServiceUnavailable" in str(failed.value), str(failed.value)
 
 
 def test_the_cli_exits_1_for_a_store_that_does_not_answer_and_2_for_a_wrong_manifest(tmp_path, busy_store):

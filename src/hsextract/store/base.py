@@ -9,12 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import HsExtractError
 from ..journal import intact_prefix
 
 FILE_MODE = 0o640  # what the product writes: the group may read, others may not
 
 
-class StoreError(Exception):
+class StoreError(HsExtractError):
     """A store refused a request or could not be reached; the message names the URI."""
 
 
