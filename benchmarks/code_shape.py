@@ -39,7 +39,7 @@ from pathlib import Path
 PRODUCT = ("src/hsextract", "tasks", "flows", "deployments")
 EVERYWHERE = ("src", "tasks", "flows", "deployments", "tests", "benchmarks", "scripts")
 STORE = "src/hsextract/store/"
-RETRY_WORDS = ("transient", "mistake", "retryable")
+RETRY_WORDS = ("transient", "mistake", "retryable", "retry")
 WINDOW = 6
 SCHEMES = ("s3://", "file://", "://")
 
@@ -292,9 +292,17 @@ def exception_classes(trees: dict[str, ast.Module]) -> dict[str, str]:
     return found
 
 
-def retry_words(texts: dict[str, str]) -> dict[str, int]:
-    """How often each name for "can a retry help?" appears as an identifier in the product."""
-    return {word: sum(len(re.findall(rf"\b{word}\b", t)) for t in texts.values()) for word in RETRY_WORDS}
+def retry_words(trees: dict[str, ast.AST]) -> dict[str, int]:
+    """How often each name for "can a retry help?" is an identifier of the product's code (a variable, attribute,
+    parameter or keyword: prose in comments and docstrings does not count)."""
+    counts = dict.fromkeys(RETRY_WORDS, 0)
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                    else node.arg if isinstance(node, (ast.arg, ast.keyword)) else None)
+            if name in counts:
+                counts[name] += 1
+    return counts
 
 
 def tool_findings(root: Path, tool: list[str]) -> int | str:
@@ -358,7 +366,7 @@ def measure(root: Path, tools: bool = True) -> dict:
             "cycles": cycles(graph), "private_imports": private,
             "settings": {k: places.get(k, []) for k in settings},
             "syspath": syspath_insertions(root), "repeated": repeated_blocks(texts),
-            "exceptions": exceptions, "retry_words": retry_words(texts),
+            "exceptions": exceptions, "retry_words": retry_words(trees),
             "long_lines": long_lines, "long_lines_pct": round(100 * long_lines / max(1, total), 1),
             "over_60": sum(1 for lines, _ in longest if lines > 60),
             "ruff": tool_findings(root, ["ruff", "check", "--quiet"]) if tools else "not run",

@@ -120,9 +120,9 @@ _GAI_PERMANENT = frozenset(getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODAT
 
 
 def _by_text(text: str) -> bool | None:
-    for pattern, transient in RULES:
+    for pattern, blip in RULES:
         if pattern.search(text):
-            return transient
+            return blip
     return None
 
 
