@@ -59,95 +59,36 @@ class ShardRun(Shard):
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, layer_ids: list[int]) -> dict:
-        """Resume, extract every pending sample of the shard, drain the uploads: the summary (journaled `done`)."""
-        opts = self.opts
-        device = resolve_device(opts.device)
-        dtype = resolve_dtype(opts.dtype, device)
-        if opts.kernels != "default" and (why := fused_available(torch.device(device))):
-            raise UsageError(f"--kernels {opts.kernels}: {why}")
-        self.recipe = recipe_of(opts, layer_ids, str(dtype).removeprefix("torch."), kernels=opts.kernels)
+        """Resume, then start-up -> the loop over the pending samples -> finish: the summary (journaled `done`)."""
+        device, dtype = self.resolve()
+        self.recipe = recipe_of(self.opts, layer_ids, str(dtype).removeprefix("torch."), kernels=self.opts.kernels)
         pending = self.begin()
         if not pending:
             self.stop_read_ahead()
             return self.finish()  # everything assigned is already written or skipped: no model needed
-        self.progress.phase = "loading_model"
-        cuda = CudaStart(device)  # the device's context made while transformers, the model code, the tokenizer load
-        if opts.random_weights is not None:
-            self.log.warning(f"warning: --random-weights {opts.random_weights}: the weights of {opts.model} are "
-                             f"not loaded; the states are of a random model")
-        info = read_model_info(opts.model)
-        self.preload = self.start_preload(layers_to_load(layer_ids, info.num_layers, opts.include_last), device,
-                                          dtype)  # the weights to the device beside the imports
-        prewarm = None
-        try:
-            prewarm = self.start_prewarm(device, dtype)  # imports the model's code; tunes beside what follows
-            if prewarm:
-                self.progress.mark("tuning_started")
-            encoder = ChatEncoder(load_tokenizer(opts.model), info.vocab_size, info.max_length(opts.max_length),
-                                  opts.overlong)  # a broken tokenizer is told before the load
-            self.progress.mark("tokenizer_loaded")
-            self.cuda_start_s = cuda.wait()
-        except BaseException:
-            if prewarm:
-                prewarm.kill()
-            self.stop_read_ahead()
-            raise
-        staging = None
-        if self.cuda_start_s is not None:
-            self.progress.mark("device_ready")
-            # the writer's pinned sets, pinned beside the load rather than beside the first batches' launches
-            staging = writer_staging(torch.device(device), opts.hash_threads or None, self.token_bytes(
-                layer_ids, info.hidden_size, dtype, opts.include_last), opts.token_budget)
-        early = EarlyTokens(encoder, pending[:opts.sort_window])  # the first window, tokenized while the model loads
-        started = time.monotonic()
-        try:
-            capture = self.make_capture(opts.model, layer_ids, opts.include_last, device, dtype,
-                                        random_weights=opts.random_weights,
-                                        **({"preload": self.preload} if self.preload is not None else {}),
-                                        **({"kernels": opts.kernels} if opts.kernels != "default" else {}))
-        except BaseException:
-            if prewarm:
-                prewarm.kill()
-            raise
-        finally:
-            self.stop_read_ahead()  # done with the load, or with the worker
-        self.load_s = time.monotonic() - started
-        self.progress.mark("model_loaded")
-        how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
-        self.log.info(f"model loaded in {self.load_s:.1f}s on {device}" + (f" ({how})" if how else ""))
-        if self.preload is not None and not self.preload.taken:
-            self.log.warning(f"warning: the weights read beside the imports were not used ("
-                             f"{self.preload.error or 'the model class is not one transformers maps'}); "
-                             f"transformers read the files")
-        if prewarm:
-            self.prewarm = prewarm
-            try:
-                prewarm.wait(PREWARM_TIMEOUT_S)
-            except BaseException:  # a stop while waiting: the children go with this worker
-                prewarm.kill()
-                raise
-            who = f"{len(prewarm.procs)} tuning process(es)" if prewarm.procs else "kernels tuned on a thread:"
-            self.log.info(f"{who} done {prewarm.seconds:.1f}s after their start, {self.load_s:.1f}s of it loading "
-                          f"the model" + "".join(f"; failed: {f}" for f in prewarm.failures))
-            if not prewarm.failures:
-                mark_tuned(self.tuned)
-            self.progress.mark("kernels_tuned")
-        if capture.device.type == "cuda":  # kernels that autotune per batch size: tuned before the first batch
-            started = time.monotonic()
-            # the thread ran every size on the same kernels in this process: nothing is left to tune or compile
-            beside = isinstance(prewarm, WarmThread) and not prewarm.failures
-            sizes = capture.warm_up(opts.token_budget, run=not beside)
-            torch.cuda.synchronize()
-            self.warm_s = time.monotonic() - started
-            mark_tuned(self.tuned)
-            self.progress.mark("kernels_warmed")
-            if sizes:
-                self.log.info(f"kernels warmed for {len(sizes)} batch sizes (1..{sizes[-1]}) "
-                              + ("on the thread beside the load" if beside else f"in {self.warm_s:.1f}s"))
-        if capture.settle_masks():  # after the warm-up: its test forward compiles nothing
-            self.log.info("attention masks made once: no host sync per batch")
+        with StartUp(self, layer_ids, device, dtype) as start:
+            encoder, staging, early = start.prepare(pending)
+            capture = start.load()
+            start.tune(capture)
         first = early.result()
         self.progress.mark("first_window_tokenized")
+        self.start_extracting(capture, layer_ids)
+        self.extract_all(capture, encoder, pending, first, staging)
+        if self.stop_signal:
+            raise Interrupted(self.stop_signal)
+        return self.finish()
+
+    def resolve(self) -> tuple[str, torch.dtype]:
+        """The device and dtype the options ask for, as they resolve here (UsageError when the kernels cannot run)."""
+        device = resolve_device(self.opts.device)
+        dtype = resolve_dtype(self.opts.dtype, device)
+        if self.opts.kernels != "default" and (why := fused_available(torch.device(device))):
+            raise UsageError(f"--kernels {self.opts.kernels}: {why}")
+        return device, dtype
+
+    def start_extracting(self, capture: LayerCapture, layer_ids: list[int]) -> None:
+        """The model is ready: the batch files' metadata, the phase `extracting`, the start-up's line."""
+        opts = self.opts
         self.layer_ids, self.width = list(layer_ids), capture.width
         self.metadata = {
             "sample_ids": "", "layer_ids": json.dumps(layer_ids), "model": opts.model.name,
@@ -160,6 +101,12 @@ class ShardRun(Shard):
         self.progress.phase = "extracting"
         self.progress.extract_started_at = time.time()
         self.log.info(f"start-up, from the process start: {self.progress.describe_startup()}")
+
+    def extract_all(self, capture: LayerCapture, encoder: ChatEncoder, pending: list[Record | Bad],
+                    first: list[Tokenized | Rejected], staging) -> None:
+        """The loop: pending records tokenized (the `first` already), packed, run, and written by the writer's
+        threads, until the last or a stop signal; the writer drained in any case."""
+        opts = self.opts
         writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
                              bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget,
                              staging=staging)
@@ -175,9 +122,6 @@ class ShardRun(Shard):
             finally:
                 self.extract_ended = time.time()
                 self.pipeline = {**self.loop.timings(), **writer.timings()}
-        if self.stop_signal:
-            raise Interrupted(self.stop_signal)
-        return self.finish()
 
     def bytes_per_token(self, capture: LayerCapture) -> int:
         """Host bytes a token's states take on their way to a file (what a pinned set is sized from)."""
@@ -519,6 +463,102 @@ class EarlyTokens:
         if self.error is not None:
             raise self.error
         return self.done
+
+
+class StartUp:
+    """A shard's start-up, from the model's files to the first batch, and the pieces that run beside it: the CUDA
+    context (`CudaStart`), the weights read to the device (`Preload`), the kernels' tuning (`Prewarm`,
+    `WarmThread`), the first window tokenized (`EarlyTokens`). Owned here with their clean-up: leaving on an
+    error kills the tuning processes; the read-ahead and the preload are stopped once the load has what it
+    needs, or on the way out. Its steps, in order: `prepare`, `load`, `tune`."""
+
+    def __init__(self, run: ShardRun, layer_ids: list[int], device: str, dtype: torch.dtype):
+        self.run, self.opts, self.layer_ids, self.device, self.dtype = run, run.opts, layer_ids, device, dtype
+        self.prewarm: Prewarm | WarmThread | None = None  # until tuned; then the run's (its summary)
+
+    def __enter__(self) -> StartUp:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if exc is not None and self.prewarm:
+            self.prewarm.kill()  # the children go with this worker
+        self.run.stop_read_ahead()
+
+    def prepare(self, pending: list[Record | Bad]) -> tuple[ChatEncoder, object, EarlyTokens]:
+        """Everything that starts beside the load: the CUDA context, the weights to the device, the tuning, the
+        tokenizer (a broken one is told before the load), the writer's pinned sets, the first window's tokens.
+        (encoder, the writer's staging or None, the first window's tokens under way)."""
+        run, opts = self.run, self.opts
+        run.progress.phase = "loading_model"
+        cuda = CudaStart(self.device)  # made while transformers, the model code, the tokenizer load
+        if opts.random_weights is not None:
+            run.log.warning(f"warning: --random-weights {opts.random_weights}: the weights of {opts.model} are "
+                            f"not loaded; the states are of a random model")
+        info = read_model_info(opts.model)
+        run.preload = run.start_preload(layers_to_load(self.layer_ids, info.num_layers, opts.include_last),
+                                        self.device, self.dtype)  # the weights to the device beside the imports
+        self.prewarm = run.start_prewarm(self.device, self.dtype)  # imports the model's code; tunes beside the rest
+        if self.prewarm:
+            run.progress.mark("tuning_started")
+        encoder = ChatEncoder(load_tokenizer(opts.model), info.vocab_size, info.max_length(opts.max_length),
+                              opts.overlong)
+        run.progress.mark("tokenizer_loaded")
+        run.cuda_start_s = cuda.wait()
+        staging = None
+        if run.cuda_start_s is not None:
+            run.progress.mark("device_ready")
+            # the writer's pinned sets, pinned beside the load rather than beside the first batches' launches
+            staging = writer_staging(torch.device(self.device), opts.hash_threads or None, run.token_bytes(
+                self.layer_ids, info.hidden_size, self.dtype, opts.include_last), opts.token_budget)
+        return encoder, staging, EarlyTokens(encoder, pending[:opts.sort_window])
+
+    def load(self) -> LayerCapture:
+        """The model on the device (from the preloaded weights where they were read), the read-ahead stopped."""
+        run, opts = self.run, self.opts
+        started = time.monotonic()
+        try:
+            capture = run.make_capture(opts.model, self.layer_ids, opts.include_last, self.device, self.dtype,
+                                       random_weights=opts.random_weights,
+                                       **({"preload": run.preload} if run.preload is not None else {}),
+                                       **({"kernels": opts.kernels} if opts.kernels != "default" else {}))
+        finally:
+            run.stop_read_ahead()  # done with the load, or with the worker
+        run.load_s = time.monotonic() - started
+        run.progress.mark("model_loaded")
+        how = ", ".join(x for x in (getattr(capture, "load_path", ""), *getattr(capture, "kernels", ())) if x)
+        run.log.info(f"model loaded in {run.load_s:.1f}s on {self.device}" + (f" ({how})" if how else ""))
+        if run.preload is not None and not run.preload.taken:
+            run.log.warning(f"warning: the weights read beside the imports were not used ("
+                            f"{run.preload.error or 'the model class is not one transformers maps'}); "
+                            f"transformers read the files")
+        return capture
+
+    def tune(self, capture: LayerCapture) -> None:
+        """The tuning waited for, then (CUDA) the kernels warmed for every batch size, and the masks made once."""
+        run, prewarm = self.run, self.prewarm
+        if prewarm:
+            prewarm.wait(PREWARM_TIMEOUT_S)
+            run.prewarm, self.prewarm = prewarm, None
+            who = f"{len(prewarm.procs)} tuning process(es)" if prewarm.procs else "kernels tuned on a thread:"
+            run.log.info(f"{who} done {prewarm.seconds:.1f}s after their start, {run.load_s:.1f}s of it loading "
+                         f"the model" + "".join(f"; failed: {f}" for f in prewarm.failures))
+            if not prewarm.failures:
+                mark_tuned(run.tuned)
+            run.progress.mark("kernels_tuned")
+        if capture.device.type == "cuda":  # kernels that autotune per batch size: tuned before the first batch
+            started = time.monotonic()
+            # the thread ran every size on the same kernels in this process: nothing is left to tune or compile
+            beside = isinstance(prewarm, WarmThread) and not prewarm.failures
+            sizes = capture.warm_up(self.opts.token_budget, run=not beside)
+            torch.cuda.synchronize()
+            run.warm_s = time.monotonic() - started
+            mark_tuned(run.tuned)
+            run.progress.mark("kernels_warmed")
+            if sizes:
+                run.log.info(f"kernels warmed for {len(sizes)} batch sizes (1..{sizes[-1]}) "
+                             + ("on the thread beside the load" if beside else f"in {run.warm_s:.1f}s"))
+        if capture.settle_masks():  # after the warm-up: its test forward compiles nothing
+            run.log.info("attention masks made once: no host sync per batch")
 
 
 def load_tokenizer(model_dir: Path):
