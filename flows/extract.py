@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from flows.parameters import LayerSpec, OutputUri, Positive, Seconds
+from flows.parameters import DEFAULT_LAYERS, LayerSpec, OutputUri, Positive, Seconds
 from hsextract.errors import Retry
 from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM
 from hsextract.options import WorkerOptions as W
@@ -40,6 +40,7 @@ from tasks.orphans import close_orphans
 from tasks.plan import ROOT, RunIncomplete, plan_run, run_name_of, worker_version
 from tasks.reconcile import reconcile
 from tasks.rerun import completed, failed, incomplete, refused, related_resources, unreconciled
+from tasks.shards import Deadlines as D
 from tasks.slots import run_shards
 from tasks.stage import dataset_here, settle_manifests
 
@@ -88,7 +89,7 @@ def extract(
     data: Annotated[str, Field(min_length=1)],
     output: OutputUri,
     hosts: Annotated[str, Field(min_length=1)],
-    layers: LayerSpec = "dflash:5",
+    layers: LayerSpec = DEFAULT_LAYERS,
     include_last: bool = W.include_last,
     num_shards: Positive | None = None,
     shards: list[Annotated[int, Field(ge=0)]] | None = None,
@@ -103,17 +104,17 @@ def extract(
     token_budget: Positive = W.token_budget,
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = W.device,
     heartbeat_interval_s: Seconds = W.heartbeat_interval,
-    launch_timeout_s: Seconds = 60.0,
-    stall_timeout_s: Seconds = 60.0,
-    poll_interval_s: Seconds = 2.0,
-    host_timeout_s: Seconds = 60.0,
+    launch_timeout_s: Seconds = D.launch_timeout_s,
+    stall_timeout_s: Seconds = D.stall_timeout_s,
+    poll_interval_s: Seconds = D.poll_interval_s,
+    host_timeout_s: Seconds = D.host_timeout_s,
     verify_checksums: bool = False,
     max_attempts: Positive = 3,
     reset_attempts: bool = False,
     rerun_depth: Annotated[int, Field(ge=0)] = 0,
     max_reruns: Annotated[int, Field(ge=0)] = 10,
     status_interval_s: Seconds = 15.0,
-    progress_timeout_s: Seconds = 1800.0,
+    progress_timeout_s: Seconds = D.progress_timeout_s,
     spool_high_gb: Annotated[float, Field(gt=0)] = W.spool_high_gb,
     spool_low_gb: Annotated[float, Field(gt=0)] = W.spool_low_gb,
     confine: Literal[CONFINE_MODES] = W.confine,

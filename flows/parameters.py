@@ -7,7 +7,10 @@ from typing import Annotated
 
 from pydantic import Field
 
-__all__ = ["LayerSpec", "OutputUri", "Positive", "Seconds"]
+__all__ = ["DEFAULT_LAYERS", "LayerSpec", "OutputUri", "Positive", "Seconds"]
+
+#: the layers a run captures unless told: DFlash's five, spread over the model
+DEFAULT_LAYERS = "dflash:5"
 
 LayerSpec = Annotated[str, Field(pattern=r"^\s*(dflash:[1-9]\d*|eagle3|\d+(\s*,\s*\d+)*)(\+last)?\s*$",
                                   description="dflash:N, eagle3, or layer ids like 1,16,31; +last adds the last "

@@ -24,7 +24,7 @@ from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from flows.parameters import LayerSpec, OutputUri, Positive
+from flows.parameters import DEFAULT_LAYERS, LayerSpec, OutputUri, Positive
 from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM
 from hsextract.options import WorkerOptions as W
 from tasks.board import run_key
@@ -62,7 +62,7 @@ def preflight(
     data: Annotated[str, Field(min_length=1)],
     output: OutputUri,
     hosts: Annotated[str, Field(min_length=1)],
-    layers: LayerSpec = "dflash:5",
+    layers: LayerSpec = DEFAULT_LAYERS,
     include_last: bool = W.include_last,
     num_shards: Positive | None = None,
     run_name: str | None = None,

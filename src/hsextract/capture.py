@@ -20,6 +20,7 @@ from .errors import UsageError
 from .kernels import apply_kernels
 from .layers import layers_to_load
 from .model import decoder_backbone, read_model_info
+from .options import DEFAULT_KERNELS
 from .prewarm import SHORTEST, linear_attention_modules, run_sizes
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class LayerCapture:
     """A loaded model plus hooks that write the chosen layers' outputs for real tokens into one buffer."""
 
     def __init__(self, model_dir: Path, layer_ids: list[int], include_last: bool, device: str, dtype: torch.dtype,
-                 random_weights: int | None = None, preload: Preload | None = None, kernels: str = "default"):
+                 random_weights: int | None = None, preload: Preload | None = None, kernels: str = DEFAULT_KERNELS):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 

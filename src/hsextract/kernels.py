@@ -20,7 +20,7 @@ import sys
 import torch
 from torch import nn
 
-from .options import KERNEL_CHOICES
+from .options import DEFAULT_KERNELS, KERNEL_CHOICES
 
 CONV_NAME = "causal_conv1d_fn"
 _SAVED = f"_hsextract_reference_{CONV_NAME}"  # where use_fla_conv keeps what it replaced
@@ -254,7 +254,7 @@ def merged_gate_up(model: nn.Module, device: torch.device) -> list[str]:
 KERNELS = KERNEL_CHOICES
 
 
-def apply_kernels(model: nn.Module, device: torch.device, choice: str = "default") -> list[str]:
+def apply_kernels(model: nn.Module, device: torch.device, choice: str = DEFAULT_KERNELS) -> list[str]:
     """Switch `model`'s modules to the kernels of `choice` (KERNELS); returns what was switched."""
     if choice not in KERNELS:
         raise ValueError(f"kernels {choice!r}: choose one of {KERNELS}")

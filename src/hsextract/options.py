@@ -26,6 +26,7 @@ OVERLONG_POLICIES = ("skip", "truncate")
 EXPORT_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
 UPLOAD_FROM = ("disk", "memory")
 KERNEL_CHOICES = ("default", "fused")
+DEFAULT_KERNELS = KERNEL_CHOICES[0]  # what transformers computes, to the bit
 CONFINE_MODES = ("auto", "on", "off")
 PROGRESS_MODES = ("auto", "bar", "log")
 
@@ -64,7 +65,7 @@ class WorkerOptions:
         "stored states: auto (the model's dtype, lossless) or fp8_e4m3 (half of bf16, lossy: a scale per token "
         "and layer; the reader returns bf16)", choices=OUT_DTYPES))
     include_last: bool = field(default=False, metadata=option("also store the final normed hidden state"))
-    kernels: str = field(default="default", metadata=option(
+    kernels: str = field(default=DEFAULT_KERNELS, metadata=option(
         "the decoder's GPU kernels: default (the states transformers computes, to the bit) or fused (RMSNorm, "
         "gated RMSNorm and SwiGLU fused, gate and up one matrix product: +21%% at 64 layers of Qwen3.6-27B's "
         "shape on an H100; rounds differently, fp32 inside: the output's recipe records it); CUDA only",

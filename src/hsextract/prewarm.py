@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .options import DEFAULT_KERNELS
+
 #: shortest sample the warm-up plans for: batch sizes up to token_budget // SHORTEST are tuned
 SHORTEST = 16
 #: most child processes per worker (a host runs one worker per GPU)
@@ -66,7 +68,7 @@ def run_sizes(modules: list[nn.Module], sizes: list[int], token_budget: int, hid
 
 
 def standalone_modules(model_dir: Path, device: torch.device, dtype: torch.dtype,
-                       kernels: str = "default") -> tuple[list[nn.Module], int]:
+                       kernels: str = DEFAULT_KERNELS) -> tuple[list[nn.Module], int]:
     """One linear-attention module of each kind of `model_dir`'s model, alone on `device` with random weights
     (the model is laid out on the meta device: no memory, no weights read), on the worker's `kernels`; and the
     hidden size."""
@@ -104,7 +106,7 @@ def default_procs() -> int:
 
 
 def tuned_marker(model_dir: Path, sizes: list[int], device: str, dtype: torch.dtype,
-                 kernels: str = "default") -> Path | None:
+                 kernels: str = DEFAULT_KERNELS) -> Path | None:
     """A file in Triton's cache directory that says this host tuned these sizes for this model's shapes, GPU and
     software (written once every size is tuned; gone with the cache if it is wiped). None without a config."""
     try:
@@ -117,7 +119,7 @@ def tuned_marker(model_dir: Path, sizes: list[int], device: str, dtype: torch.dt
             versions[name] = importlib.metadata.version(name)
     gpu = torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else str(device)
     key = json.dumps({"config": config, "sizes": sizes, "dtype": str(dtype), "gpu": gpu, "versions": versions,
-                      **({"kernels": kernels} if kernels != "default" else {})}, sort_keys=True)
+                      **({"kernels": kernels} if kernels != DEFAULT_KERNELS else {})}, sort_keys=True)
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     return cache / "hsextract-tuned" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
@@ -142,7 +144,7 @@ class Prewarm:
 
     @classmethod
     def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str, dtype: torch.dtype,
-              procs: int, kernels: str = "default") -> Prewarm:
+              procs: int, kernels: str = DEFAULT_KERNELS) -> Prewarm:
         """Launch up to `procs` children, each tuning its share of `sizes`; they inherit this process's
         environment (CUDA_VISIBLE_DEVICES, caches) and process group (a stop of the worker stops them)."""
         package_root = str(Path(__file__).resolve().parent.parent)
@@ -219,7 +221,7 @@ class WarmThread:
 
     @classmethod
     def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str,
-              dtype: torch.dtype, kernels: str = "default") -> WarmThread:
+              dtype: torch.dtype, kernels: str = DEFAULT_KERNELS) -> WarmThread:
         device = torch.device(device)
         modules, hidden_size = standalone_modules(model_dir, device, dtype, kernels)
         return cls(modules, sizes, token_budget, hidden_size, device, dtype)
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--token-budget", type=int, required=True)
     ap.add_argument("--sizes", required=True, help="batch sizes, comma-separated")
-    ap.add_argument("--kernels", default="default", help="the worker's --kernels")
+    ap.add_argument("--kernels", default=DEFAULT_KERNELS, help="the worker's --kernels")
     ap.add_argument("--ready", type=Path, help="create this file once the first size is done")
     ap.add_argument("--after", type=Path, help="run the sizes once this file exists...")
     ap.add_argument("--after-pid", type=int, help="...or this process has ended")
