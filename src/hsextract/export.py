@@ -320,6 +320,52 @@ def _write_json(dest: Path, name: str, data: dict) -> None:
     _save_atomic(lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"), dest, name)
 
 
+def _checked(src: str, dest: Path, fmt: str, max_length: int | None) -> tuple[str, Path | None]:
+    """An export's arguments checked before anything is read (UsageError naming the one that is wrong): the
+    source as it is named in the summary, and its local path (None on S3)."""
+    if fmt not in LAYOUTS:
+        raise UsageError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if max_length is not None and max_length < 2:
+        raise UsageError(f"--max-length {max_length}: must be at least 2")
+    try:
+        local = local_dir(src)
+    except ValueError as exc:
+        raise UsageError(f"{src}: {exc}") from None
+    if local is not None:
+        local = local.resolve()
+    if local is not None and dest.resolve().is_relative_to(local):
+        raise UsageError(f"{dest}: inside the source {local}: an export goes to a directory of its own, outside the "
+                         f"output (a later extraction or reconcile would meet it there)")
+    return str(local or src), local
+
+
+def _write_rows(dest: Path, layout, items, src: str, max_length: int | None, bar) -> tuple[int, Counter]:
+    """Every sample of `items` (batch, position) written as the layout's row, or left out with the reason, each
+    in the index as it lands; those an interrupted export wrote are kept. (rows, left out per reason)."""
+    done = Done.read(dest)
+    rows, skipped = done.rows, Counter(done.skipped)
+    with (dest / INDEX).open("a") as index:
+        for batch, position in items:  # a batch is held only while its samples are written
+            sample_id = batch.sample_ids[position]
+            bar.step()
+            if sample_id in done.ids:
+                continue
+            _same_source(layout.src, batch, src)
+            sample = cut(batch.sample(position), max_length)
+            why = layout.reject(sample["loss_mask"])
+            if why is not None:
+                skipped[why] += 1
+                entry = {"id": sample_id, "skipped": why}
+            else:
+                entry = {"row": rows, "id": sample_id, "file": layout.write(dest, rows, sample),
+                         "tokens": int(sample["input_ids"].shape[0])}
+                rows += 1
+            index.write(json.dumps(entry) + "\n")
+            index.flush()
+    bar.close()
+    return rows, skipped
+
+
 def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, verify: bool | str = True,
            progress: bool | None = None, client=None, allow_partial: bool = False) -> dict:
     """Export `src` (an output: path, file://, s3://) to the new local directory `dest` in trainer format
@@ -329,22 +375,9 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     export.json holds (with the source's recipe, and what is missing from a partial one)."""
     from .reader import describe_output, sample_positions
 
-    if fmt not in LAYOUTS:
-        raise UsageError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if max_length is not None and max_length < 2:
-        raise UsageError(f"--max-length {max_length}: must be at least 2")
     dest = Path(dest)
-    try:
-        local = local_dir(src)
-    except ValueError as exc:
-        raise UsageError(f"{src}: {exc}") from None
-    if local is not None:
-        local = local.resolve()
-    src = str(local or src)
+    src, local = _checked(src, dest, fmt, max_length)
     settings = {"format": fmt, "src": src, "max_length": max_length}
-    if local is not None and dest.resolve().is_relative_to(local):
-        raise UsageError(f"{dest}: inside the source {src}: an export goes to a directory of its own, outside the "
-                         f"output (a later extraction or reconcile would meet it there)")
     if local is not None and local.is_file():
         from .batchfile import BatchFile
 
@@ -364,30 +397,9 @@ def export(src: str, dest: str | Path, fmt: str, max_length: int | None = None, 
     if (dest / SCRATCH).exists():
         shutil.rmtree(dest / SCRATCH)  # what an interrupted run left half-written
     (dest / SCRATCH).mkdir()  # there even where no row is left to write (killed after its last row)
-    done = Done.read(dest)
-    began, rows, skipped = time.monotonic(), done.rows, Counter(done.skipped)
-    bar = _Bar(total, progress)
-    items = _chain(first, positions)
+    began, items = time.monotonic(), _chain(first, positions)
     del first  # a batch is held only while its samples are written
-    with (dest / INDEX).open("a") as index:
-        for batch, position in items:
-            sample_id = batch.sample_ids[position]
-            bar.step()
-            if sample_id in done.ids:
-                continue
-            _same_source(layout.src, batch, src)
-            sample = cut(batch.sample(position), max_length)
-            why = layout.reject(sample["loss_mask"])
-            if why is not None:
-                skipped[why] += 1
-                entry = {"id": sample_id, "skipped": why}
-            else:
-                entry = {"row": rows, "id": sample_id, "file": layout.write(dest, rows, sample),
-                         "tokens": int(sample["input_ids"].shape[0])}
-                rows += 1
-            index.write(json.dumps(entry) + "\n")
-            index.flush()
-    bar.close()
+    rows, skipped = _write_rows(dest, layout, items, src, max_length, _Bar(total, progress))
     summary = {**settings, "complete": True, "samples_in_src": total, "exported": rows,
                "skipped": dict(skipped), "skipped_examples": _examples(dest), "layer_ids": layout.src.layer_ids,
                "num_model_layers": layout.src.num_model_layers, "hidden_size": layout.src.hidden_size,
