@@ -83,8 +83,6 @@ def read_journal(store: Store, key: str) -> Shard:
 def fsck(uri: str, repair: bool = False, verify: bool = False, client=None) -> dict:
     """Check (and with `repair`, mend) the output at `uri`; returns {"problems": [str], "repaired": [str],
     "remaining": [str], "files", "shards", "recipes"}. FileNotFoundError when there is no output there."""
-    from .batchfile import check_bytes, verify_mode
-
     store = open_store(uri, client)
     objects = {o.key: o for o in store.list()}
     keys = journal_keys(objects.values())
@@ -111,20 +109,7 @@ def fsck(uri: str, repair: bool = False, verify: bool = False, client=None) -> d
             journaled.add(key)
             if entry["file"] in lost:
                 continue
-            found = objects.get(key)
-            why = None
-            if found is None:
-                why = "journaled, but not there"
-            elif found.size != entry["bytes"]:
-                why = f"{found.size} bytes, its journal recorded {entry['bytes']} (truncated or overwritten)"
-            elif verify:
-                try:
-                    path = store.local_path(key)
-                    data = path.read_bytes() if path is not None else store.read(key)
-                    check_bytes(data, entry, store.where(key), verify_mode("fast"))
-                except ValueError as exc:
-                    why = str(exc).split(": ", 1)[-1]
-            if why is not None:
+            if (why := _file_problem(store, objects.get(key), key, entry, verify)) is not None:
                 problems.append(Problem(key, why, f"retracted (a `lost` entry): the next run of {shard.dir} redoes "
                                                   f"its {len(entry['ids'])} sample(s)"))
                 retract.setdefault(shard.key, []).append((entry["file"], why))
@@ -146,6 +131,25 @@ def fsck(uri: str, repair: bool = False, verify: bool = False, client=None) -> d
     remaining = [str(p) for p in problems if not (repair and p.repair)]
     return {"out": store.uri, "shards": len(shards), "files": len(journaled), "recipes": recipes,
             "problems": [str(p) for p in problems], "repaired": repaired, "remaining": remaining}
+
+
+def _file_problem(store: Store, found, key: str, entry: dict, verify: bool) -> str | None:
+    """What is wrong with the batch file a journal `entry` names (`found`: its listing, None when not there), or
+    None; with `verify`, its bytes against the journal's checksum too."""
+    from .batchfile import check_bytes, verify_mode
+
+    if found is None:
+        return "journaled, but not there"
+    if found.size != entry["bytes"]:
+        return f"{found.size} bytes, its journal recorded {entry['bytes']} (truncated or overwritten)"
+    if verify:
+        try:
+            path = store.local_path(key)
+            data = path.read_bytes() if path is not None else store.read(key)
+            check_bytes(data, entry, store.where(key), verify_mode("fast"))
+        except ValueError as exc:
+            return str(exc).split(": ", 1)[-1]
+    return None
 
 
 def _repair(store: Store, shards: list[Shard], retract: dict, strays: list[str], unseal: bool,
