@@ -184,17 +184,7 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines, watch=None,
     started = time.monotonic()
     config = json.dumps({**asdict(job), "argv": job.argv()}, indent=1, default=str).encode()
     host.put(config, f"{job.control_dir}/launch.json", deadlines.command_timeout_s)
-    env, clear = dict(job.env), ()
-    if job.aws_credentials:
-        access = load_access(job.aws_credentials)
-        body = access.credentials_file()
-        if body is not None and job.options.aws_credentials_file:  # the keys: a 0600 file the worker is told of
-            host.put(body, str(job.options.aws_credentials_file), deadlines.command_timeout_s, mode=0o600)
-            clear = KEY_ENV
-        elif access.profile:
-            env["AWS_PROFILE"] = access.profile
-        if access.region:
-            env.setdefault("AWS_DEFAULT_REGION", access.region)
+    env, clear = _credentials(host, job, deadlines)
     wait_s = min(5.0, deadlines.launch_timeout_s)
     command = launch_cmd(job.control_dir, bundle_dir(job.workdir, job.bundle_sha256), job.gpu, job.argv(),
                          job.journal, wait_s, env=env, unset=clear)
@@ -202,15 +192,7 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines, watch=None,
     first, _, rest = result.stdout.partition("\n")
     words = first.split()
     if not result.ok or len(words) < 2 or words[0] not in ("LAUNCHED", "ADOPT") or not words[1].isdigit():
-        said = (result.stdout + result.stderr).strip()
-        what = ("launch printed nothing" if not said else
-                f"launch failed: cannot create the worker log {job.control_dir}/worker.log (not a writable file)"
-                if said.startswith("LOG UNWRITABLE") else
-                "launch failed: another launch of this shard held its launch lock for 30s"
-                if said.startswith("LOCK BUSY") else f"launch refused: worker pid {said[5:]}"
-                if said.startswith("BUSY ") else f"launch refused: worker pid {said[9:]}"
-                if said.startswith("STOPPING ") else "launch failed")
-        raise _failure(job, what, result=result)
+        raise _failure(job, _launch_refused(job, (result.stdout + result.stderr).strip()), result=result)
     # no start time: the process was gone before the launcher could read /proc; the probe says why
     pid, start, adopted = int(words[1]), (words[2:] or [""])[0], words[0] == "ADOPT"
     cancel = cancel or threading.Event()
@@ -238,6 +220,38 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines, watch=None,
             raise _failure(job, f"no {missing} within {deadlines.launch_timeout_s:.0f}s; killed pid {pid}",
                            watch.detail(state))
         state = watch.next(cancel)
+
+
+def _credentials(host: Host, job: ShardJob, deadlines: Deadlines) -> tuple[dict, tuple]:
+    """The worker's environment for the run's AWS credentials block (a profile, a region), the keys sent as a
+    0600 file the worker is told of, never in argv or the environment: (env, variables to unset)."""
+    env, clear = dict(job.env), ()
+    if job.aws_credentials:
+        access = load_access(job.aws_credentials)
+        body = access.credentials_file()
+        if body is not None and job.options.aws_credentials_file:
+            host.put(body, str(job.options.aws_credentials_file), deadlines.command_timeout_s, mode=0o600)
+            clear = KEY_ENV
+        elif access.profile:
+            env["AWS_PROFILE"] = access.profile
+        if access.region:
+            env.setdefault("AWS_DEFAULT_REGION", access.region)
+    return env, clear
+
+
+def _launch_refused(job: ShardJob, said: str) -> str:
+    """The reason of a launch command that did not say LAUNCHED or ADOPT, from what it printed."""
+    if not said:
+        return "launch printed nothing"
+    if said.startswith("LOG UNWRITABLE"):
+        return f"launch failed: cannot create the worker log {job.control_dir}/worker.log (not a writable file)"
+    if said.startswith("LOCK BUSY"):
+        return "launch failed: another launch of this shard held its launch lock for 30s"
+    if said.startswith("BUSY "):
+        return f"launch refused: worker pid {said[5:]}"
+    if said.startswith("STOPPING "):
+        return f"launch refused: worker pid {said[9:]}"
+    return "launch failed"
 
 
 def _exit_code(state: Probe) -> int | None:
@@ -274,22 +288,8 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
                            quote_log=False)
         if on_probe is not None:
             on_probe(state.heartbeat, state.heartbeat_age)
-        code = _exit_code(state)
-        if code is not None and state.exit.get("stop") in STOP_KINDS:
-            raise ShardStopped(state.exit["stop"], f"worker pid {launched.pid} exited with code {code}: "
-                                                   f"{state.exit.get('reason')}")
-        if code is not None:
-            if code == 0 and (state.journal_last or {}).get("kind") == "done":
-                return state.journal_last["summary"]
-            if code == 0:
-                raise _failure(job, "worker exited 0 but its journal has no 'done' entry", watch.detail(state))
-            raise _failure(job, f"worker exited with code {code}: {state.exit.get('reason')}", watch.detail(state),
-                           code=code)
-        if not state.alive:
-            what = "a zombie" if state.state == "Z" else "gone"
-            raise _failure(job, f"lost: worker pid {launched.pid} is {what} and left no exit status "
-                                f"(killed -9, OOM-killed, or the host rebooted)", watch.detail(state),
-                           quote_log=False)
+        if (summary := _ended(job, launched, state, watch)) is not None:
+            return summary
         beat = state.heartbeat or {}
         age = state.heartbeat_age
         if age is None or age > deadlines.stall_timeout_s:
@@ -311,6 +311,27 @@ def supervise_shard(host: Host, job: ShardJob, launched: Launched, deadlines: De
             last_log = time.monotonic()
             log.info("%s: %s %s/%s samples, %.0f tok/s", job.label, beat.get("phase"), beat.get("samples_done"),
                      beat.get("samples_total"), beat.get("tokens_per_s", 0))
+
+
+def _ended(job: ShardJob, launched: Launched, state: Probe, watch) -> dict | None:
+    """None while the worker runs; its summary once it exited 0 with a `done` entry; else ShardStopped (it ended
+    on a stop request) or ShardFailed (another exit, none at all, or no `done`) raised."""
+    code = _exit_code(state)
+    if code is not None and state.exit.get("stop") in STOP_KINDS:
+        raise ShardStopped(state.exit["stop"], f"worker pid {launched.pid} exited with code {code}: "
+                                               f"{state.exit.get('reason')}")
+    if code is not None:
+        if code == 0 and (state.journal_last or {}).get("kind") == "done":
+            return state.journal_last["summary"]
+        if code == 0:
+            raise _failure(job, "worker exited 0 but its journal has no 'done' entry", watch.detail(state))
+        raise _failure(job, f"worker exited with code {code}: {state.exit.get('reason')}", watch.detail(state),
+                       code=code)
+    if not state.alive:
+        what = "a zombie" if state.state == "Z" else "gone"
+        raise _failure(job, f"lost: worker pid {launched.pid} is {what} and left no exit status "
+                            f"(killed -9, OOM-killed, or the host rebooted)", watch.detail(state), quote_log=False)
+    return None
 
 
 @contextlib.contextmanager

@@ -143,7 +143,9 @@ def test_a_launch_in_a_pool_is_proven_by_its_hosts_shared_round_trips(env, tmp_p
     a worker that dies meanwhile still fails with its log's tail (fetched for that shard alone)."""
     from tasks.monitor import LAUNCH_POLL_S, HostPool
 
-    slow = script(tmp_path / "slow", f"sleep 6; exec {sys.executable} \"$@\"")
+    # slower than the launch command's own wait (50 ticks of 0.1 s, which a loaded machine stretches): proven by
+    # the pool's round trips, not by the launch command's probe
+    slow = script(tmp_path / "slow", f"sleep 9; exec {sys.executable} \"$@\"")
     dies = script(tmp_path / "dies", "sleep 6; echo 'CUDA error: no device on purpose' >&2; exit 3")
     with HostPool(env["inventory"], 30.0, 5) as pool:
         job = job_for(env, "h1", python=slow, run="pooled", budget=4096)
