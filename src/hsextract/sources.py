@@ -263,6 +263,42 @@ class Fetched:
     seconds: float = 0.0
 
 
+def _resume(f: _Fetch, part_bytes: int) -> list[tuple[_Fetch, int, int]]:
+    """The byte ranges of `f` still to fetch into its partial file (what a cut-short staging left is kept and
+    hashed again; more than the file's size is dropped), in parts of `part_bytes`."""
+    f.part.parent.mkdir(parents=True, exist_ok=True)
+    have = f.part.stat().st_size if f.part.exists() else 0
+    if have > f.entry.size:
+        f.part.unlink()
+        have = 0
+    f.hash = sha256_hash(f.part) if have else hashlib.sha256()
+    f.done.resumed_bytes += have
+    if f.entry.size == 0:
+        f.part.touch()
+    return [(f, s, min(s + part_bytes, f.entry.size)) for s in range(have, f.entry.size, part_bytes)]
+
+
+def _get_range(client, f: _Fetch, start: int, end: int, host: str) -> bytes:
+    """Bytes [start, end) of `f`'s object, as listed (its ETag); StageError naming host, source, file and range
+    (retry NEVER when the object is gone, changed or not ours to read)."""
+    kwargs = {"IfMatch": f'"{f.entry.etag}"'} if f.entry.etag else {}
+    where = f"GET s3://{f.bucket}/{f.key} bytes {start}-{end - 1}"
+    try:
+        data = client.get_object(Bucket=f.bucket, Key=f.key, Range=f"bytes={start}-{end - 1}", **kwargs)["Body"].read()
+    except Exception as exc:
+        code = error_code(exc)
+        gone, changed = code in ("NoSuchKey", "404"), code == "PreconditionFailed"
+        why = ("the object is gone (deleted since the manifest was read)" if gone
+               else "the object changed since it was listed (ETag)" if changed
+               else f"{type(exc).__name__}: {exc}")
+        raise StageError(f"{host}: {f.source}: {f.entry.path}: {where}: {why}",
+                         retry=Retry.NEVER if gone or changed or code in ("AccessDenied", "NoSuchBucket")
+                         else Retry.NOW) from None
+    if len(data) != end - start:
+        raise StageError(f"{host}: {f.source}: {f.entry.path}: {where} returned {len(data):,} bytes")
+    return data
+
+
 class Cache:
     """A host's content-addressed store of staged files (see the module's docstring)."""
 
@@ -490,38 +526,7 @@ class Cache:
 
     def _stream(self, client, todo: list[_Fetch], host: str, threads: int, part_bytes: int) -> None:
         """Fetch the rest of every file of `todo` into its partial file, in order, hashing as it goes."""
-        parts = []
-        for f in todo:
-            f.part.parent.mkdir(parents=True, exist_ok=True)
-            have = f.part.stat().st_size if f.part.exists() else 0
-            if have > f.entry.size:
-                f.part.unlink()
-                have = 0
-            f.hash = sha256_hash(f.part) if have else hashlib.sha256()  # a cut-short staging's bytes: hashed again
-            f.done.resumed_bytes += have
-            parts += [(f, s, min(s + part_bytes, f.entry.size)) for s in range(have, f.entry.size, part_bytes)]
-            if f.entry.size == 0:
-                f.part.touch()
-
-        def get(f: _Fetch, start: int, end: int) -> bytes:
-            kwargs = {"IfMatch": f'"{f.entry.etag}"'} if f.entry.etag else {}
-            where = f"GET s3://{f.bucket}/{f.key} bytes {start}-{end - 1}"
-            try:
-                data = client.get_object(Bucket=f.bucket, Key=f.key, Range=f"bytes={start}-{end - 1}",
-                                         **kwargs)["Body"].read()
-            except Exception as exc:
-                code = error_code(exc)
-                gone, changed = code in ("NoSuchKey", "404"), code == "PreconditionFailed"
-                why = ("the object is gone (deleted since the manifest was read)" if gone
-                       else "the object changed since it was listed (ETag)" if changed
-                       else f"{type(exc).__name__}: {exc}")
-                raise StageError(f"{host}: {f.source}: {f.entry.path}: {where}: {why}",
-                                 retry=Retry.NEVER if gone or changed or code in ("AccessDenied", "NoSuchBucket")
-                                 else Retry.NOW) from None
-            if len(data) != end - start:
-                raise StageError(f"{host}: {f.source}: {f.entry.path}: {where} returned {len(data):,} bytes")
-            return data
-
+        parts = [part for f in todo for part in _resume(f, part_bytes)]
         window: queue.Queue = queue.Queue()
         slots = threading.BoundedSemaphore(threads * 2)  # parts fetched but not yet written: bounded memory
         stop = threading.Event()
@@ -531,7 +536,7 @@ class Cache:
                 slots.acquire()
                 if stop.is_set():
                     break
-                window.put((f, pool.submit(get, f, start, end)))
+                window.put((f, pool.submit(_get_range, client, f, start, end, host)))
             window.put(None)
 
         out, current = None, None
