@@ -53,28 +53,7 @@ class LayerCapture:
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             loading = {"missing_keys": []}
         else:
-            # straight from the files to the GPU where transformers can (it needs accelerate for that);
-            # else into host memory first, then copied over
-            direct = self.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
-            self.load_path = "direct to the device" if direct else "through host memory"
-            place = {"device_map": str(self.device)} if direct else {}
-            built = _causal_lm_class(config) if preload is not None else None  # None: remote code, say
-            state = preload.tensors() if built is not None else None  # read while the worker imported
-            if preload is not None and state is None:
-                preload.stop()
-            try:
-                if state is not None:
-                    self.load_path = "read to the device beside the imports"
-                    with _no_allocator_warmup():
-                        model, loading = built[0].from_pretrained(
-                            None, config=built[1], state_dict=state, dtype=dtype, output_loading_info=True, **place)
-                    del state
-                else:
-                    model, loading = AutoModelForCausalLM.from_pretrained(
-                        model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
-                        **place)
-            except OSError as exc:  # no weights, or a shard file named by the index is missing
-                raise UsageError(f"--model {str(model_dir)!r}: cannot load weights: {exc}") from None
+            model, loading = self._load_weights(model_dir, config, dtype, preload)
         missing = [k for k in loading["missing_keys"] if "lm_head" not in k]
         if missing:
             raise UsageError(
@@ -93,6 +72,30 @@ class LayerCapture:
         self._masks_settled = False
         for slot, layer_id in enumerate(layer_ids):
             self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
+
+    def _load_weights(self, model_dir: Path, config, dtype: torch.dtype, preload: Preload | None):
+        """The model read from its checkpoint: from the tensors `preload` read to the device while the worker
+        imported, else by transformers from the files (straight to the GPU where it can: it needs accelerate;
+        else through host memory). (model, transformers' loading info); UsageError when weights are missing."""
+        from transformers import AutoModelForCausalLM
+
+        direct = self.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
+        self.load_path = "direct to the device" if direct else "through host memory"
+        place = {"device_map": str(self.device)} if direct else {}
+        built = _causal_lm_class(config) if preload is not None else None  # None: remote code, say
+        state = preload.tensors() if built is not None else None  # read while the worker imported
+        if preload is not None and state is None:
+            preload.stop()
+        try:
+            if state is not None:
+                self.load_path = "read to the device beside the imports"
+                with _no_allocator_warmup():
+                    return built[0].from_pretrained(
+                        None, config=built[1], state_dict=state, dtype=dtype, output_loading_info=True, **place)
+            return AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=dtype, local_files_only=True, output_loading_info=True, **place)
+        except OSError as exc:  # no weights, or a shard file named by the index is missing
+            raise UsageError(f"--model {str(model_dir)!r}: cannot load weights: {exc}") from None
 
     def warm_up(self, token_budget: int, shortest: int = SHORTEST, run: bool = True) -> list[int]:
         """Run each kind of linear-attention module once per bucketed batch size a run can meet (up to
