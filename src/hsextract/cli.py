@@ -44,6 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cut bad journal lines, retract missing or corrupt files (their samples are redone), "
                            "remove stray files and a seal that does not hold")
     fsck.add_argument("--verify", action="store_true", help="also check every batch file's checksum (reads them)")
+    _add_export(sub)
+    _add_stage(sub)
+
+    tiny = sub.add_parser("make-tiny", help="build a tiny random Qwen3.5 hybrid model and a chat dataset")
+    tiny.add_argument("--model", type=Path, required=True, help="directory to save the model and tokenizer in")
+    tiny.add_argument("--data", type=Path, required=True, help="JSONL file to write")
+    tiny.add_argument("--samples", type=int, default=200)
+    return parser
+
+
+def _add_export(sub) -> None:
+    """`hsextract export SRC DEST --format ...`."""
     export = sub.add_parser("export", help="write an output in a drafter trainer's offline layout "
                                            "(SpecForge DFlash / EAGLE-3, speculators)")
     export.add_argument("src", help="extraction output: directory, file:// or s3:// URI")
@@ -57,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--allow-partial", action="store_true",
                         help="export an output that is not sealed (export.json says what is missing)")
 
+
+def _add_stage(sub) -> None:
+    """`hsextract stage ACTION --cache ... --manifest ...` (what the orchestrator runs on a host)."""
     stage = sub.add_parser("stage", help="stage a source (a dataset or model in S3 or sent over SFTP) into this "
                                          "host's content-addressed cache, verified against its manifest")
     stage.add_argument("action", choices=("status", "fetch", "place", "prune"),
@@ -77,12 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--part-mib", type=int, default=16, help="bytes per ranged GET, in MiB")
     stage.add_argument("--follow", metavar="NONCE", default=None,
                        help="place: hash the files while they arrive (until partial/NONCE.abort appears)")
-
-    tiny = sub.add_parser("make-tiny", help="build a tiny random Qwen3.5 hybrid model and a chat dataset")
-    tiny.add_argument("--model", type=Path, required=True, help="directory to save the model and tokenizer in")
-    tiny.add_argument("--data", type=Path, required=True, help="JSONL file to write")
-    tiny.add_argument("--samples", type=int, default=200)
-    return parser
 
 
 def use_credentials_file(opts: WorkerOptions) -> None:
