@@ -254,18 +254,8 @@ class Preload:
                                 raise ValueError(f"{path}: ends at byte {at}, inside a tensor its header names")
                             while first < len(entries) and entries[first].end <= at:
                                 first += 1
-                            i = first
                             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                                while i < len(entries) and entries[i].begin < at + got:
-                                    e = entries[i]
-                                    lo, hi = max(e.begin, at), min(e.end, at + got)
-                                    if hi > lo:
-                                        self._copy(raws[i][lo - e.begin:hi - e.begin], buffer[lo - at:hi - at])
-                                        n = min(SPOT, hi - lo)
-                                        for start in (lo,) if hi - n == lo else (lo, hi - n):  # its ends
-                                            spots.append((i, start - e.begin, n))
-                                            expected += _writable(buffer, start - at, n)
-                                    i += 1
+                                self._scatter(entries, raws, first, buffer, at, got, spots, expected)
                                 if cuda:
                                     copied[turn].record(stream)
                             turn ^= 1
@@ -278,6 +268,23 @@ class Preload:
         finally:
             if cuda:
                 stream.synchronize()  # every copy landed (or, stopped, none still reads the pinned buffers)
+
+    def _scatter(self, entries: list[Entry], raws: list[torch.Tensor], first: int, buffer: torch.Tensor, at: int,
+                 got: int, spots: list[tuple[int, int, int]], expected: bytearray) -> None:
+        """The chunk of `got` bytes read at file offset `at` into `buffer`, copied into the tensors of `entries`
+        (from `first` on) that it overlaps, on the current stream; the ends of each copy noted in `spots` and
+        their bytes in `expected`, for the check after the file."""
+        i = first
+        while i < len(entries) and entries[i].begin < at + got:
+            e = entries[i]
+            lo, hi = max(e.begin, at), min(e.end, at + got)
+            if hi > lo:
+                self._copy(raws[i][lo - e.begin:hi - e.begin], buffer[lo - at:hi - at])
+                n = min(SPOT, hi - lo)
+                for start in (lo,) if hi - n == lo else (lo, hi - n):  # its ends
+                    spots.append((i, start - e.begin, n))
+                    expected += _writable(buffer, start - at, n)
+            i += 1
 
     @staticmethod
     def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
