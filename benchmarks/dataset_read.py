@@ -62,7 +62,7 @@ def main() -> int:
     import pyarrow.parquet as pq
 
     from hsextract.records import iter_ids, iter_records
-    from hsextract.sharding import shard_of
+    from hsextract.assign import shard_of
 
     work = Path(tempfile.mkdtemp(prefix="hsx-read-"))
     began = time.perf_counter()

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsextract.sharding import shard_of
+from hsextract.assign import shard_of
 from hsextract.store import LocalStore, scan
 from tasks.reconcile import INDEX_NAME, dataset_ids, reconcile_output
 

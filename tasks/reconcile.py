@@ -28,9 +28,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from hsextract.assign import shard_of
 from hsextract.journal import INDEX_NAME, JOURNAL_NAME, SUCCESS_NAME, UNSEALED_NAME, line
 from hsextract.records import iter_digests, iter_ids
-from hsextract.sharding import shard_of
 from hsextract.store import Store, scan
 
 

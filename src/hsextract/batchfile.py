@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import CorruptOutput
-from .payload import DATA_CHECKSUM, FORMAT_VERSION, Entry, Payload, WrittenFile, layout, write_payload
+from .payload import DATA_CHECKSUM, FORMAT_VERSION, Payload, TensorBytes, WrittenFile, layout, write_payload
 from .quant import FP8_ENCODING, SCALE_KEY, dequantize
 
 # safetensors' dtype names of the torch dtypes a batch file may hold
@@ -36,7 +36,7 @@ def build_payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str], ha
             raise ValueError(f"tensor {name!r}: {tensor.dtype} on {tensor.device} cannot go into a batch file")
         tensor = tensor.detach().contiguous()
         data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-        entries.append(Entry(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), data))
+        entries.append(TensorBytes(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), data))
     return layout(entries, metadata, hashed)
 
 

@@ -32,7 +32,7 @@ from .readahead import ReadAhead
 from .recipe import recipe_of
 from .records import Bad, Record
 from .shard import Shard, drive
-from .writer import BAD_KEY, STATS_KEY, BatchWriter, writer_staging
+from .writer import BAD_KEY, STATS_KEY, BatchWriter, writer_copier
 
 
 class ShardRun(Shard):
@@ -67,13 +67,13 @@ class ShardRun(Shard):
             self.stop_read_ahead()
             return self.finish()  # everything assigned is already written or skipped: no model needed
         with StartUp(self, layer_ids, device, dtype) as start:
-            encoder, staging, early = start.prepare(pending)
+            encoder, copier, early = start.prepare(pending)
             capture = start.load()
             start.tune(capture)
         first = early.result()
         self.progress.mark("first_window_tokenized")
         self.start_extracting(capture, layer_ids)
-        self.extract_all(capture, encoder, pending, first, staging)
+        self.extract_all(capture, encoder, pending, first, copier)
         if self.stop_signal:
             raise Interrupted(self.stop_signal)
         return self.finish()
@@ -103,13 +103,13 @@ class ShardRun(Shard):
         self.log.info(f"start-up, from the process start: {self.progress.describe_startup()}")
 
     def extract_all(self, capture: LayerCapture, encoder: ChatEncoder, pending: list[Record | Bad],
-                    first: list[Tokenized | Rejected], staging) -> None:
+                    first: list[Tokenized | Rejected], copier) -> None:
         """The loop: pending records tokenized (the `first` already), packed, run, and written by the writer's
         threads, until the last or a stop signal; the writer drained in any case."""
         opts = self.opts
         writer = BatchWriter(self, capture.device, hash_workers=opts.hash_threads or None,
                              bytes_per_token=self.bytes_per_token(capture), token_budget=opts.token_budget,
-                             staging=staging)
+                             copier=copier)
         self.loop = ForwardLoopTimer(capture.device)
         batches = pack(self.encoded(encoder, pending, first), opts.token_budget, opts.sort_window)
         try:
@@ -487,7 +487,7 @@ class StartUp:
     def prepare(self, pending: list[Record | Bad]) -> tuple[ChatEncoder, object, EarlyTokens]:
         """Everything that starts beside the load: the CUDA context, the weights to the device, the tuning, the
         tokenizer (a broken one is told before the load), the writer's pinned sets, the first window's tokens.
-        (encoder, the writer's staging or None, the first window's tokens under way)."""
+        (encoder, the writer's host copier or None, the first window's tokens under way)."""
         run, opts = self.run, self.opts
         run.progress.phase = "loading_model"
         cuda = CudaStart(self.device)  # made while transformers, the model code, the tokenizer load
@@ -504,13 +504,13 @@ class StartUp:
                               opts.overlong)
         run.progress.mark("tokenizer_loaded")
         run.cuda_start_s = cuda.wait()
-        staging = None
+        copier = None
         if run.cuda_start_s is not None:
             run.progress.mark("device_ready")
             # the writer's pinned sets, pinned beside the load rather than beside the first batches' launches
-            staging = writer_staging(torch.device(self.device), opts.hash_threads or None, run.token_bytes(
+            copier = writer_copier(torch.device(self.device), opts.hash_threads or None, run.token_bytes(
                 self.layer_ids, info.hidden_size, self.dtype, opts.include_last), opts.token_budget)
-        return encoder, staging, EarlyTokens(encoder, pending[:opts.sort_window])
+        return encoder, copier, EarlyTokens(encoder, pending[:opts.sort_window])
 
     def load(self) -> LayerCapture:
         """The model on the device (from the preloaded weights where they were read), the read-ahead stopped."""

@@ -78,7 +78,7 @@ class Prepared:
 
 
 @dataclass(frozen=True)
-class Entry:
+class TensorBytes:
     """One tensor of a file: its safetensors dtype name, shape and contiguous bytes (any buffer)."""
     name: str
     dtype: str
@@ -86,7 +86,7 @@ class Entry:
     data: object  # bytes, bytearray, memoryview or anything with the buffer protocol; kept alive by the Payload
 
 
-def layout(entries: list[Entry], metadata: dict[str, str], hashed: bool = True) -> Payload:
+def layout(entries: list[TensorBytes], metadata: dict[str, str], hashed: bool = True) -> Payload:
     """The safetensors layout of `entries` (data sorted by element size, then dtype, then name; the header
     padded to 8 bytes, as `safetensors.torch.save` makes it) and, if `hashed`, its sha256; nothing copied. The
     metadata gets the data's xxh3-128 (`DATA_CHECKSUM`): a file read alone proves its bytes too."""

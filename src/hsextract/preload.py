@@ -49,7 +49,7 @@ READERS = 2
 OTHER_DTYPE_SHARE = 1 / 16
 
 
-class Entry:
+class TensorToRead:
     """One tensor to read: its name, dtype, shape and byte range in its file."""
     __slots__ = ("name", "dtype", "shape", "begin", "end")
 
@@ -57,7 +57,7 @@ class Entry:
         self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
 
 
-def plan(files: list[Path], keep_layers: int | None) -> list[tuple[Path, list[Entry]]]:
+def plan(files: list[Path], keep_layers: int | None) -> list[tuple[Path, list[TensorToRead]]]:
     """Per file, the tensors the load reads, in file order. ValueError naming the file and tensor where a header
     is not what it should be; OSError where a file cannot be read."""
     out = []
@@ -79,13 +79,13 @@ def plan(files: list[Path], keep_layers: int | None) -> list[tuple[Path, list[En
             if base + end > size:
                 raise ValueError(f"{path}: tensor {name!r} ends at byte {base + end}, past the file's end ({size}): "
                                  f"a file cut short?")
-            entries.append(Entry(name, dtype, shape, base + begin, base + end))
+            entries.append(TensorToRead(name, dtype, shape, base + begin, base + end))
         entries.sort(key=lambda e: e.begin)
         out.append((path, entries))
     return out
 
 
-def why_not(model_dir: Path, files: list[tuple[Path, list[Entry]]], dtype: torch.dtype) -> str | None:
+def why_not(model_dir: Path, files: list[tuple[Path, list[TensorToRead]]], dtype: torch.dtype) -> str | None:
     """Why the load should read the files itself (None: preload): a quantized checkpoint, or too many bytes of
     another dtype than the run's."""
     try:
@@ -115,7 +115,7 @@ class Preload:
     going through staging buffers and checked on the device (`_staged`); on a CPU device one thread reads them
     straight into the tensors."""
 
-    def __init__(self, files: list[tuple[Path, list[Entry]]], device: torch.device, chunk: int = CHUNK,
+    def __init__(self, files: list[tuple[Path, list[TensorToRead]]], device: torch.device, chunk: int = CHUNK,
                  staged: bool = False, follow: ReadAhead | None = None, readers: int = READERS):
         self.files, self.device, self.chunk, self.readers = files, device, chunk, max(1, readers)
         self.staged = staged  # on CPU too, the GPU's way: through the staging buffers, the copies checked
@@ -169,7 +169,7 @@ class Preload:
                 self.waited += time.monotonic() - began
         return os.preadv(fd, [view], at)
 
-    def _alloc(self, entry: Entry) -> torch.Tensor:
+    def _alloc(self, entry: TensorToRead) -> torch.Tensor:
         raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8, device=self.device)
         self._out[entry.name] = raw.view(entry.dtype).view(entry.shape)
         return raw
@@ -216,7 +216,7 @@ class Preload:
         if errors:
             raise errors[0]
 
-    def _stage_files(self, todo: list[tuple[Path, list[Entry]]]) -> None:
+    def _stage_files(self, todo: list[tuple[Path, list[TensorToRead]]]) -> None:
         """Files taken from `todo` until none is left: each one's needed ranges read in chunks into two staging
         buffers in turn (pinned on CUDA), each chunk copied into its tensors (on a side stream on CUDA, while the
         next is read). Then the first and last `SPOT` bytes of every copy are read back from the device and
@@ -269,7 +269,7 @@ class Preload:
             if cuda:
                 stream.synchronize()  # every copy landed (or, stopped, none still reads the pinned buffers)
 
-    def _scatter(self, entries: list[Entry], raws: list[torch.Tensor], first: int, buffer: torch.Tensor, at: int,
+    def _scatter(self, entries: list[TensorToRead], raws: list[torch.Tensor], first: int, buffer: torch.Tensor, at: int,
                  got: int, spots: list[tuple[int, int, int]], expected: bytearray) -> None:
         """The chunk of `got` bytes read at file offset `at` into `buffer`, copied into the tensors of `entries`
         (from `first` on) that it overlaps, on the current stream; the ends of each copy noted in `spots` and
@@ -290,8 +290,8 @@ class Preload:
     def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
         dest.copy_(src, non_blocking=True)
 
-    def _check(self, path: Path, entries: list[Entry], raws: list[torch.Tensor], spots: list[tuple[int, int, int]],
-               expected: bytearray, stream) -> None:
+    def _check(self, path: Path, entries: list[TensorToRead], raws: list[torch.Tensor],
+               spots: list[tuple[int, int, int]], expected: bytearray, stream) -> None:
         """The bytes `spots` name, read back from the device after this file's copies (one transfer), against
         those read from the file; ValueError naming the first tensor that differs."""
         if not spots:

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 from . import __version__
+from .assign import shard_of
 from .errors import BUSY_EXIT, USAGE_EXIT, CorruptOutput, Interrupted, ShardBusy, ShardIncomplete, UsageError
 from .journal import JOURNAL_NAME, Journal, lost_files, read_entries
 from .layers import parse_layer_spec
@@ -24,7 +25,6 @@ from .payload import Prepared, Unsealed, write_unsealed
 from .recipe import Recipe, refuse
 from .records import Bad, Record, iter_records
 from .say import shard_log
-from .sharding import shard_of
 from .status import ProgressReporter
 from .store import LocalStore, S3Store, s3_client, scan, sha256_file
 

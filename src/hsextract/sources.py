@@ -52,7 +52,7 @@ class StageError(HsExtractError):
 
 
 @dataclass(frozen=True)
-class Entry:
+class SourceFile:
     """One file of a source: its path under the source, size, digest (None until known) and S3 ETag."""
     path: str
     size: int
@@ -65,7 +65,7 @@ class Manifest:
     """Every file of a source. `kind`: "file" (the source is one file, `files[0]`) or "dir"."""
     source: str
     kind: str
-    files: tuple[Entry, ...]
+    files: tuple[SourceFile, ...]
 
     @property
     def complete(self) -> bool:
@@ -90,7 +90,8 @@ class Manifest:
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:
         try:
             obj = json.loads(text)
-            files = tuple(Entry(str(f["path"]), int(f["size"]), f.get("sha256"), f.get("etag")) for f in obj["files"])
+            files = tuple(SourceFile(str(f["path"]), int(f["size"]), f.get("sha256"), f.get("etag"))
+                          for f in obj["files"])
             kind = obj["kind"]
         except (ValueError, KeyError, TypeError) as exc:
             raise StageError(f"{where}: not a manifest ({type(exc).__name__}: {exc})") from None
@@ -142,7 +143,7 @@ def local_manifest(path: Path, write: bool = True) -> Manifest:
             return Manifest.from_json(kept.read_text(), str(kept))
     except (OSError, ValueError):
         pass
-    manifest = Manifest(str(path), kind, tuple(Entry(rel, stamp[rel][0], sha256_file(p))
+    manifest = Manifest(str(path), kind, tuple(SourceFile(rel, stamp[rel][0], sha256_file(p))
                                                for rel, p in files))
     if write:
         try:
@@ -175,7 +176,7 @@ def list_s3(client, uri: str) -> Manifest:
     if key and not key.endswith("/"):
         try:
             head = client.head_object(Bucket=bucket, Key=key)
-            return Manifest(uri, "file", (Entry(key.rsplit("/", 1)[-1], head["ContentLength"], None,
+            return Manifest(uri, "file", (SourceFile(key.rsplit("/", 1)[-1], head["ContentLength"], None,
                                                 head.get("ETag", "").strip('"')),))
         except Exception as exc:
             if error_code(exc) not in ("404", "NoSuchKey", "NotFound"):
@@ -187,7 +188,7 @@ def list_s3(client, uri: str) -> Manifest:
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(prefix):]
                 if rel and not rel.endswith("/") and not rel.endswith(MANIFEST_SUFFIX):
-                    files.append(Entry(rel, obj["Size"], None, obj.get("ETag", "").strip('"')))
+                    files.append(SourceFile(rel, obj["Size"], None, obj.get("ETag", "").strip('"')))
     except Exception as exc:
         raise StageError(f"{uri}: cannot list it: {type(exc).__name__}: {exc}") from None
     if not files:
@@ -244,7 +245,7 @@ def s3_manifest(client, uri: str) -> Manifest:
 @dataclass(eq=False)
 class _Fetch:
     """One file on its way from S3 into a cache."""
-    entry: Entry
+    entry: SourceFile
     source: str
     bucket: str
     key: str
@@ -308,13 +309,13 @@ class Cache:
     def blob(self, sha256: str) -> Path:
         return self.root / "blobs" / sha256[:2] / sha256
 
-    def partial(self, entry: Entry, source: str) -> Path:
+    def partial(self, entry: SourceFile, source: str) -> Path:
         """Where `entry` is fetched to: named by its digest where known, else by the source, path and ETag."""
         name = entry.sha256 or hashlib.sha256(
             "\0".join((source, entry.path, entry.etag or "", str(entry.size))).encode()).hexdigest()
         return self.root / "partial" / f"{name}.part"
 
-    def known(self, entry: Entry, source: str) -> str | None:
+    def known(self, entry: SourceFile, source: str) -> str | None:
         """The digest of `entry`: the manifest's, or the one this cache computed when it fetched the same object
         (same source, path, ETag and size) before a manifest existed."""
         if entry.sha256:
@@ -324,7 +325,7 @@ class Cache:
         except OSError:
             return None
 
-    def has(self, entry: Entry, source: str) -> bool:
+    def has(self, entry: SourceFile, source: str) -> bool:
         sha = self.known(entry, source)
         try:
             return sha is not None and self.blob(sha).stat().st_size == entry.size
@@ -396,7 +397,7 @@ class Cache:
                 done.digests[entry.path] = self._place(part, entry, manifest.source, h.hexdigest(), host)
         return results
 
-    def _place(self, part: Path, entry: Entry, source: str, sha: str, host: str) -> str:
+    def _place(self, part: Path, entry: SourceFile, source: str, sha: str, host: str) -> str:
         if entry.sha256 and sha != entry.sha256:
             part.unlink(missing_ok=True)
             raise StageError(f"{host}: {source}: {entry.path}: sha256 {sha} does not match its manifest's "

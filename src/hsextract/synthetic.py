@@ -26,7 +26,7 @@ from .errors import Interrupted
 from .liveness import Heartbeat
 from .model import read_model_info
 from .options import WorkerOptions
-from .payload import Entry, Prepared, layout
+from .payload import Prepared, TensorBytes, layout
 from .quant import FP8_ENCODING, SCALE_KEY, fp8_bytes_per_token
 from .recipe import recipe_of
 from .records import Bad, Record
@@ -138,8 +138,8 @@ class SyntheticRun(Shard):
         cu = array.array("q", [0])
         for n in lengths:
             cu.append(cu[-1] + n)
-        entries = [Entry("input_ids", "I32", (total,), ids), Entry("loss_mask", "U8", (total,), mask),
-                   Entry("cu_seqlens", "I64", (len(batch) + 1,), cu), *self.states.entries(total)]
+        entries = [TensorBytes("input_ids", "I32", (total,), ids), TensorBytes("loss_mask", "U8", (total,), mask),
+                   TensorBytes("cu_seqlens", "I64", (len(batch) + 1,), cu), *self.states.entries(total)]
         metadata = {**self.metadata, "sample_ids": json.dumps([s.id for s in batch])}
         return Prepared(name, layout(entries, metadata), [s.id for s in batch], lengths)
 
@@ -155,7 +155,7 @@ class StatePool:
         self.scales = bytearray()
         self.rng = random.Random(0)
 
-    def entries(self, tokens: int) -> list[Entry]:
+    def entries(self, tokens: int) -> list[TensorBytes]:
         """`hidden_states` (and fp8's scales, all 1.0) for `tokens` tokens."""
         size = tokens * self.width * (1 if self.fp8 else 2)
         if len(self.buffer) < size:
@@ -163,14 +163,14 @@ class StatePool:
             for at in range(0, size, POOL_BYTES):
                 grown[at:at + POOL_BYTES] = self.pool[:size - at]
             self.buffer = grown
-        states = Entry("hidden_states", "F8_E4M3" if self.fp8 else "BF16", (tokens, self.width),
+        states = TensorBytes("hidden_states", "F8_E4M3" if self.fp8 else "BF16", (tokens, self.width),
                        memoryview(self.buffer)[:size])
         if not self.fp8:
             return [states]
         scale_bytes = tokens * self.layers * 4
         if len(self.scales) < scale_bytes:
             self.scales = bytearray(array.array("f", [1.0]) * (tokens * self.layers))
-        return [states, Entry(SCALE_KEY, "F32", (tokens, self.layers), memoryview(self.scales)[:scale_bytes])]
+        return [states, TensorBytes(SCALE_KEY, "F32", (tokens, self.layers), memoryview(self.scales)[:scale_bytes])]
 
     def token_ids(self, n: int) -> list[int]:
         """Made-up token ids for a sample that was not tokenized."""

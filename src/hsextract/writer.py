@@ -1,6 +1,6 @@
 """The writer pipeline between the forward loop and the disk: a batch's states become a durable, journaled file.
 
-`BatchWriter.put` takes a batch's device states; threads copy them to pinned host memory (`HostStaging`), lay
+`BatchWriter.put` takes a batch's device states; threads copy them to pinned host memory (`HostCopier`), lay
 the safetensors file out over those buffers, hash it, write it and seal it (fsync, rename, journal), each
 stage bounded, so a slow sink holds the GPU back instead of growing memory. What a file holds and where it
 is journaled is the shard's business (`ShardRun.prepare_file`, `write_file`, `seal_file`).
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chat import Tokenized
+from .hostcopy import HostCopier, copier_plan
 from .payload import Payload
-from .staging import HostStaging, staging_plan
 
 if TYPE_CHECKING:
     from .extract import ShardRun
@@ -33,7 +33,7 @@ class BatchWriter:
     """Background threads between the forward loop and the disk, each stage bounded.
 
     The main thread only queues work: the device -> pinned host copy runs on a side stream
-    (`HostStaging`). The prepare thread waits for that copy, drops non-finite samples and lays the file
+    (`HostCopier`). The prepare thread waits for that copy, drops non-finite samples and lays the file
     out in place (reading the pinned buffers, no copy); `hash_workers` threads hash up to that many files
     at once (one core hashes slower than a fast disk writes); the write thread takes the files in order,
     copies file n into the page cache (then frees its pinned buffers) while the seal thread fsyncs file
@@ -43,21 +43,21 @@ class BatchWriter:
 
     The forward loop never waits for the device, so it runs ahead of the GPU by up to `depth` batches;
     each pinned set is made up front for a full batch (`bytes_per_token` x `token_budget`, see
-    `staging_plan`), so no copy waits for memory to be pinned.
+    `copier_plan`), so no copy waits for memory to be pinned.
 
     `timings()` says where the time went (seconds, summed over a stage's threads): `held_s` the forward
     loop waited for a free pinned set (the sink behind, or the host `depth` batches ahead of the GPU),
     `copy_wait_s` the prepare thread waited for a batch's forward and copy to finish, then each stage's busy
-    time, `first_file_s` from the start to the first file sealed, and the pinned sets (`HostStaging.stats`).
+    time, `first_file_s` from the start to the first file sealed, and the pinned sets (`HostCopier.stats`).
     """
 
     def __init__(self, shard: ShardRun, device: torch.device, depth: int | None = None,
                  hash_workers: int | None = None, bytes_per_token: int = 0, token_budget: int = 0,
-                 staging: HostStaging | None = None):
+                 copier: HostCopier | None = None):
         self.shard = shard
         self.hash_workers = hash_workers or default_hash_workers()
-        self.staging = staging or writer_staging(device, self.hash_workers, bytes_per_token, token_budget, depth)
-        self.queue: queue.Queue = queue.Queue(maxsize=self.staging.depth)
+        self.copier = copier or writer_copier(device, self.hash_workers, bytes_per_token, token_budget, depth)
+        self.queue: queue.Queue = queue.Queue(maxsize=self.copier.depth)
         self.hashing = ThreadPoolExecutor(self.hash_workers, thread_name_prefix="hsextract-hash")
         self.landing: queue.Queue = queue.Queue(maxsize=self.hash_workers)
         self.sealing: queue.Queue = queue.Queue(maxsize=1)
@@ -77,7 +77,7 @@ class BatchWriter:
             raise self.error
         if batch:
             started = time.monotonic()
-            self.queue.put((batch, self.staging.stage(states)))
+            self.queue.put((batch, self.copier.stage(states)))
             self._spend("held_s", started)
 
     def _spend(self, stage: str, started: float) -> None:
@@ -90,10 +90,10 @@ class BatchWriter:
         self._spend("hash_s", started)
 
     def timings(self) -> dict:
-        """Seconds spent per stage, to the first sealed file, and the pinned sets (`HostStaging.stats`)."""
+        """Seconds spent per stage, to the first sealed file, and the pinned sets (`HostCopier.stats`)."""
         out = {k: round(v, 3) for k, v in sorted(self.spent.items())}
-        if self.staging.cuda:
-            out.update(self.staging.stats())
+        if self.copier.cuda:
+            out.update(self.copier.stats())
         if self.first_sealed is not None:
             out["first_file_s"] = round(self.first_sealed - self.started, 3)
         return out
@@ -171,15 +171,15 @@ class BatchWriter:
             raise self.error
 
 
-def writer_staging(device: torch.device, hash_workers: int | None = None, bytes_per_token: int = 0,
-                   token_budget: int = 0, depth: int | None = None) -> HostStaging:
+def writer_copier(device: torch.device, hash_workers: int | None = None, bytes_per_token: int = 0,
+                   token_budget: int = 0, depth: int | None = None) -> HostCopier:
     """The pinned sets a `BatchWriter` with these settings uses, their pinning begun on a thread (the worker
     makes them while its model loads: pinning holds the driver, and would delay the first batches' launches)."""
     depth = depth or (hash_workers or default_hash_workers()) + 4  # filling, copying, laid out, hashed, writing
     set_bytes = 0
     if bytes_per_token and token_budget:  # each pinned set made up front for a full batch
-        depth, set_bytes = staging_plan(bytes_per_token, token_budget, depth)
-    return HostStaging(device, depth, set_bytes)
+        depth, set_bytes = copier_plan(bytes_per_token, token_budget, depth)
+    return HostCopier(device, depth, set_bytes)
 
 
 def default_hash_workers() -> int:

@@ -17,7 +17,7 @@ import zstandard
 
 from hsextract.errors import UsageError
 from hsextract.records import Bad, iter_ids, iter_records
-from hsextract.sharding import shard_of
+from hsextract.assign import shard_of
 
 RECORDS = [
     {"id": "a1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},

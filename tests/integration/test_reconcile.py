@@ -14,7 +14,7 @@ from hsextract.store import LocalStore
 from tasks.reconcile import INDEX_NAME, SUCCESS_NAME, dataset_ids as ids_of, reconcile_output
 
 from hsextract.reader import read_samples
-from hsextract.sharding import shard_of
+from hsextract.assign import shard_of
 
 
 @pytest.fixture(scope="module")

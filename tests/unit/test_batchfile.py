@@ -118,15 +118,15 @@ def test_a_mapped_file_and_shared_memory_give_views_of_one_storage(tmp_path):
 
 def test_the_torch_free_layout_makes_the_same_file_from_raw_bytes():
     """The synthetic worker (no torch) lays files out from buffers: byte for byte the file torch's path makes."""
-    from hsextract.payload import Entry, layout
+    from hsextract.payload import TensorBytes, layout
 
     tensors = every_dtype()
     want = build_payload(tensors, {"k": "v"})
-    entries = [Entry(name, DTYPE_NAMES[t.dtype], tuple(t.shape), bytes(t.contiguous().reshape(-1).view(torch.uint8)
+    entries = [TensorBytes(name, DTYPE_NAMES[t.dtype], tuple(t.shape), bytes(t.contiguous().reshape(-1).view(torch.uint8)
                                                                         .numpy()))
                for name, t in tensors.items()]
     got = layout(entries, {"k": "v"})
     assert got.sha256 == want.sha256 and got.size == want.size
     assert b"".join(bytes(p) for p in got.parts) == b"".join(bytes(p) for p in want.parts)
     with pytest.raises(ValueError, match=r"tensor 'x': 6 bytes for BF16 \[2, 2\]"):
-        layout([Entry("x", "BF16", (2, 2), b"\0" * 6)], {})
+        layout([TensorBytes("x", "BF16", (2, 2), b"\0" * 6)], {})

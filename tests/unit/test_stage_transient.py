@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from hsextract.errors import Retry
-from hsextract.sources import Cache, Entry, Manifest, StageError
+from hsextract.sources import Cache, SourceFile, Manifest, StageError
 from hsextract.store import s3_client
 
 ROOT = Path(__file__).resolve().parents[2]
-MANIFEST = Manifest("s3://stage-bucket/model", "dir", (Entry("config.json", 10, None, "0123abcd"),))
+MANIFEST = Manifest("s3://stage-bucket/model", "dir", (SourceFile("config.json", 10, None, "0123abcd"),))
 
 
 def closed_port() -> int:

@@ -11,7 +11,7 @@ from hsextract.extract import ShardRun
 from hsextract.layers import parse_layer_spec
 from hsextract.liveness import Progress
 from hsextract.options import WorkerOptions
-from hsextract.staging import ALIGN, staging_plan
+from hsextract.hostcopy import ALIGN, copier_plan
 from hsextract.writer import BAD_KEY, STATS_KEY
 
 BUDGET = 96
@@ -28,7 +28,7 @@ def test_a_full_batch_of_states_fits_the_set_planned_from_bytes_per_token(tiny_m
     capture = LayerCapture(tiny_model, layer_ids, include_last, "cpu", dtype)
     shard = ShardRun(opts, Progress(0, 1, "test"))
     per_token = shard.bytes_per_token(capture)
-    sets, set_bytes = staging_plan(per_token, BUDGET, depth=5, max_bytes=1 << 30)
+    sets, set_bytes = copier_plan(per_token, BUDGET, depth=5, max_bytes=1 << 30)
     assert sets == 5 and set_bytes >= BUDGET * per_token
     # the worst case a budget allows: many short samples (a flag each) up to the budget, and one long one
     for lengths in ([1] * BUDGET, [BUDGET // 4] * 4, [BUDGET]):
@@ -47,11 +47,11 @@ def test_a_full_batch_of_states_fits_the_set_planned_from_bytes_per_token(tiny_m
 
 
 def test_the_sets_are_bounded_in_bytes_and_never_fewer_than_two():
-    sets, set_bytes = staging_plan(51_201, 8192, depth=7, max_bytes=16 << 30)
+    sets, set_bytes = copier_plan(51_201, 8192, depth=7, max_bytes=16 << 30)
     assert (sets, set_bytes) == (7, 8192 * 51_201 + 6 * ALIGN)
-    assert staging_plan(51_201, 8192, depth=7, max_bytes=3 * set_bytes)[0] == 3  # the bound caps the count
-    assert staging_plan(51_201, 8192, depth=7, max_bytes=set_bytes // 2)[0] == 2  # one filling, one written
-    assert staging_plan(1, 10, depth=4)[0] == 4  # default bound: a share of this host's memory
+    assert copier_plan(51_201, 8192, depth=7, max_bytes=3 * set_bytes)[0] == 3  # the bound caps the count
+    assert copier_plan(51_201, 8192, depth=7, max_bytes=set_bytes // 2)[0] == 2  # one filling, one written
+    assert copier_plan(1, 10, depth=4)[0] == 4  # default bound: a share of this host's memory
 
 
 def test_the_fla_convolution_is_used_only_where_it_can_run(tiny_model):

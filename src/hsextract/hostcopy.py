@@ -1,7 +1,7 @@
 """Device -> host copies that never stall the forward loop.
 
-`HostStaging.stage(states)` queues a copy of a batch's device tensors into pinned host memory on a side
-stream and returns at once with a `Staged` (host tensors + an event). The writer threads wait on the event,
+`HostCopier.stage(states)` queues a copy of a batch's device tensors into pinned host memory on a side
+stream and returns at once with a `HostCopy` (host tensors + an event). The writer threads wait on the event,
 lay the file out and hash it in place, write it to the page cache, then release the set. There are `depth`
 sets, each one pinned buffer sized for a full batch (`set_bytes`: the token budget x the bytes per token,
 known before the first batch) and reused batch after batch: pinned allocation is slow and stalls the
@@ -25,7 +25,7 @@ ALIGN = 256  # each tensor's offset in a set: any dtype's view, and the DMA engi
 
 
 @dataclass
-class Staged:
+class HostCopy:
     """A batch's tensors being copied to pinned host memory; `wait` for them, `release` the buffers after."""
     tensors: dict[str, torch.Tensor]
     event: torch.cuda.Event | None = None
@@ -68,7 +68,7 @@ class PinnedSet:
         return views, grown
 
 
-class HostStaging:
+class HostCopier:
     """`depth` pinned sets of `set_bytes` each, reused batch after batch, and the side stream that fills them."""
     def __init__(self, device: torch.device, depth: int = 4, set_bytes: int = 0):
         self.cuda = device.type == "cuda"
@@ -97,10 +97,10 @@ class HostStaging:
                 self.pinned_bytes += 0 if buffer is None else buffer.numel()
             self.free.put(PinnedSet(buffer))
 
-    def stage(self, states: dict[str, torch.Tensor]) -> Staged:
+    def stage(self, states: dict[str, torch.Tensor]) -> HostCopy:
         """Queue the copy of `states` to a free set of buffers (waits for one: backpressure on the GPU)."""
         if not self.cuda:
-            return Staged({k: v.cpu() for k, v in states.items()})
+            return HostCopy({k: v.cpu() for k, v in states.items()})
         slot = self.free.get()  # all sets in flight: the sink is behind, so the GPU waits here
         started = time.monotonic()
         host, grown = slot.carve(states)
@@ -117,7 +117,7 @@ class HostStaging:
                 tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Staged(host, event, slot, self.free)
+        return HostCopy(host, event, slot, self.free)
 
     def stats(self) -> dict:
         """The pinned memory: sets, bytes, seconds spent pinning, batches that outgrew their set."""
@@ -126,7 +126,7 @@ class HostStaging:
                     "sets_grown": self.grown}
 
 
-def staging_plan(bytes_per_token: int, token_budget: int, depth: int, max_bytes: int | None = None
+def copier_plan(bytes_per_token: int, token_budget: int, depth: int, max_bytes: int | None = None
                  ) -> tuple[int, int]:
     """(sets, bytes per set): each set holds a full batch (`token_budget` tokens, plus room for alignment);
     as many sets as `depth` asks while they fit `max_bytes` (default: an eighth of the host's memory, at
