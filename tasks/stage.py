@@ -40,6 +40,7 @@ from hsextract.sources import (
     s3_manifest,
     write_s3_manifest,
 )
+from hsextract.store import in_s3
 
 from .commands import hsextract_cmd, quote
 from .credentials import S3Access, access_on
@@ -62,7 +63,7 @@ class StageFailed(Exception):
 
 def is_staged(uri: str) -> bool:
     """Whether an input is staged onto the hosts (an s3:// or orchestrator: source) or already there (a path)."""
-    return uri.startswith("s3://") or uri.startswith(ORCHESTRATOR)
+    return in_s3(uri) or uri.startswith(ORCHESTRATOR)
 
 
 def cache_dir(workdir: str) -> str:

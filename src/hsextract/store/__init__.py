@@ -20,15 +20,20 @@ from .local import LocalStore, fsync_dir, make_dirs, sha256_file, write_atomic
 from .s3 import S3Store, s3_client, split_uri
 
 __all__ = ["FILE_MODE", "LocalStore", "NoSuchBucket", "OutputState", "S3Store", "Store", "StoreError", "StoredObject",
-           "fsync_dir", "journal_keys", "local_dir", "make_dirs", "open_store", "s3_client", "scan", "sha256_file",
-           "split_uri", "write_atomic"]
+           "fsync_dir", "in_s3", "journal_keys", "local_dir", "make_dirs", "open_store", "s3_client", "scan",
+           "sha256_file", "split_uri", "write_atomic"]
+
+
+def in_s3(uri: str | Path) -> bool:
+    """Whether `uri` names a place in S3 (`s3://bucket/...`): the question `local_dir` and `open_store` answer too."""
+    return str(uri).startswith("s3://")
 
 
 def local_dir(uri: str | Path) -> Path | None:
     """The local directory an output's URI names (a path or `file://...`), or None for `s3://`: the one place,
     with `open_store`, that tells the schemes apart. ValueError for any other scheme."""
     text = str(uri)
-    if text.startswith("s3://"):
+    if in_s3(text):
         return None
     if "://" in text and not text.startswith("file://"):
         raise ValueError(f"{text!r}: expected a local path, file:// or s3:// URI")
