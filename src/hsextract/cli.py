@@ -238,7 +238,7 @@ def fsck_command(args) -> int:
 def stage_command(args) -> int:
     """`hsextract stage`: prints `STAGE {json}`; exit 2 naming the file when a source is not what it should be,
     exit 1 when the store did not answer (after boto3's own retries)."""
-    from . import sources
+    from . import inputcache, sources
 
     if args.aws_credentials_file is not None:
         for name in KEY_ENV:
@@ -246,7 +246,7 @@ def stage_command(args) -> int:
         os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(args.aws_credentials_file)
     try:
         manifests = [sources.Manifest.from_json(path.read_text(), str(path)) for path in args.manifest]
-        cache = sources.Cache(args.cache)
+        cache = inputcache.Cache(args.cache)
         if not manifests and args.action != "prune":
             print(f"hsextract: stage {args.action} needs --manifest (one per source)", file=sys.stderr)
             return USAGE_EXIT

@@ -19,8 +19,9 @@ from harness.fleet import s3_for
 from harness.inventory import ssh_host_entry, write_inventory
 from hsextract import tiny
 from hsextract.errors import Retry
+from hsextract.inputcache import Cache
 from hsextract.records import iter_ids
-from hsextract.sources import Cache, Manifest, local_manifest, manifest_uri
+from hsextract.sources import Manifest, local_manifest, manifest_uri
 from tasks.bundle import build_bundle
 from tasks.credentials import S3Access
 from tasks.deploy import deploy_host
