@@ -9,6 +9,7 @@ from this signature, and where the runner loads this file under a module name of
 string annotations cannot be resolved.)
 """
 
+import inspect
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -46,14 +47,6 @@ from tasks.stage import dataset_here, settle_manifests
 
 __all__ = ["PARAMETERS", "ROOT", "extract"]
 
-#: every parameter of `extract`, in order: an automated re-run passes all of them on (deployments/qwen.py)
-PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num_shards", "shards", "run_name",
-              "aws_credentials", "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb",
-              "token_budget", "device", "heartbeat_interval_s", "launch_timeout_s", "stall_timeout_s",
-              "poll_interval_s", "host_timeout_s", "verify_checksums", "max_attempts", "reset_attempts",
-              "rerun_depth", "max_reruns", "status_interval_s", "progress_timeout_s", "spool_high_gb",
-              "spool_low_gb", "confine", "cancel_grace_s", "synthetic_tokens_per_s", "preflight", "benchmark",
-              "kernels", "long_samples", "max_skipped", "retry_skipped")
 
 
 def flow_run_name() -> str:
@@ -216,6 +209,11 @@ def extract(
     except cancel_signals() as exc:
         return cancelled(plan, board, cancel, exc, log)
 
+
+
+#: every parameter of `extract`, in order (read from its signature): an automated re-run passes all of them on
+#: (deployments/qwen.py)
+PARAMETERS = tuple(inspect.signature(extract.fn).parameters)
 
 def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: dict, log):
     """The run's verdict once its shards ended: Failed naming every failure (and asking for a re-run where one

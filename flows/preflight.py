@@ -14,6 +14,7 @@ parameters; `preflight="first"` runs it before the extraction and stops there if
 (No `from __future__ import annotations`: Prefect builds its parameter model from this signature.)
 """
 
+import inspect
 import time
 from typing import Annotated, Literal
 
@@ -36,11 +37,6 @@ from tasks.stage import resolve_sources
 
 __all__ = ["PREFLIGHT_PARAMETERS", "preflight"]
 
-#: the parameters `preflight` shares with `extract` (same names, types and defaults): extract passes these on
-PREFLIGHT_PARAMETERS = ("model", "data", "output", "hosts", "layers", "include_last", "num_shards", "run_name",
-                        "aws_credentials", "max_length", "dtype", "out_dtype", "upload_from", "upload_memory_gb",
-                        "token_budget", "device", "spool_high_gb", "spool_low_gb", "confine",
-                        "synthetic_tokens_per_s")
 MARK = {"ok": "ok", "warn": "warn", "fail": "**FAIL**", "skip": "-"}
 
 
@@ -123,6 +119,12 @@ def preflight(
         return Failed(message=f"preflight of run {run}: {len(bad)} of {len(reports)} host(s) would fail the run:\n"
                               + "\n".join(lines[:20]) + more, data=result)
     return Completed(message=f"preflight of run {run}: {len(reports)} host(s) ready", data=result)
+
+
+#: the parameters `preflight` shares with `extract` (same names, types and defaults), read from its signature:
+#: extract passes these on
+PREFLIGHT_PARAMETERS = tuple(name for name in inspect.signature(preflight.fn).parameters
+                             if name not in ("benchmark", "benchmark_samples", "sample_tokens"))
 
 
 def counted(report: HostReport) -> dict | None:
