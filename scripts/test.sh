@@ -2,7 +2,8 @@
 # Set up, lint (scripts/lint.sh), then run the whole test suite (unit + integration on a real tiny model): the
 # tests in parallel (pytest-xdist, one process per file's tests so module fixtures are built once), then the
 # `serial` ones alone (timing-sensitive under load). Extra args go to both pytest runs; HSX_TEST_WORKERS sets
-# the parallel processes (default 3: on 2 cores the tests spend much of their time waiting on subprocesses).
+# the parallel processes (default 3: on 2 cores the tests spend much of their time waiting on subprocesses). The
+# parallel run ends with its 20 slowest tests (--durations): where the suite's time goes.
 # The fast tier alone: .venv/bin/python -m pytest -m 'not slow' -q
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,6 @@ phase() {  # one pytest run; "no tests collected" (5: a selection with none of t
   .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || rc=$?
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=$rc; fi
 }
-phase -m "not serial" -n "${HSX_TEST_WORKERS:-3}" --dist loadfile "$@"
+phase -m "not serial" -n "${HSX_TEST_WORKERS:-3}" --dist loadfile --durations=20 "$@"
 phase -m serial "$@"
 exit $status
