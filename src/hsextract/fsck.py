@@ -109,10 +109,10 @@ def fsck(uri: str, repair: bool = False, verify: bool = False, client=None) -> d
             journaled.add(key)
             if entry["file"] in lost:
                 continue
-            if (why := _file_problem(store, objects.get(key), key, entry, verify)) is not None:
-                problems.append(Problem(key, why, f"retracted (a `lost` entry): the next run of {shard.dir} redoes "
+            if (wrong := _file_problem(store, objects.get(key), key, entry, verify)) is not None:
+                problems.append(Problem(key, wrong, f"retracted (a `lost` entry): the next run of {shard.dir} redoes "
                                                   f"its {len(entry['ids'])} sample(s)"))
-                retract.setdefault(shard.key, []).append((entry["file"], why))
+                retract.setdefault(shard.key, []).append((entry["file"], wrong))
     strays = [k for k in objects if k.startswith("shard-") and (
         (k.endswith(".safetensors") and k not in journaled) or k.rsplit("/", 1)[-1].endswith(".tmp"))]
     for key in strays:
