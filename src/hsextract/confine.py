@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import HsExtractError
+from .errors import HsExtractError, Retry
 
 _CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446  # the same on x86_64 and aarch64
 _CREATE_RULESET_VERSION = 1
@@ -44,7 +44,10 @@ class _PathBeneath(ctypes.Structure):
 
 
 class ConfineError(HsExtractError, OSError):
-    """Landlock is missing or refused the ruleset (with mode "on" this stops the worker)."""
+    """Landlock is missing or refused the ruleset (with mode "on" this stops the worker: exit 2, the same again
+    fails the same)."""
+
+    retry = Retry.NEVER
 
 
 @dataclass(frozen=True)
