@@ -48,7 +48,6 @@ from tasks.stage import dataset_here, settle_manifests
 __all__ = ["PARAMETERS", "ROOT", "extract"]
 
 
-
 def flow_run_name() -> str:
     """What a flow run of `extract` is called: its run_name, and which automated re-run it is
     (`qwen36-chat`, `qwen36-chat · re-run 2`): the runs list shows which runs are one job."""
@@ -210,10 +209,10 @@ def extract(
         return cancelled(plan, board, cancel, exc, log)
 
 
-
 #: every parameter of `extract`, in order (read from its signature): an automated re-run passes all of them on
 #: (deployments/qwen.py)
 PARAMETERS = tuple(inspect.signature(extract.fn).parameters)
+
 
 def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: dict, log):
     """The run's verdict once its shards ended: Failed naming every failure (and asking for a re-run where one

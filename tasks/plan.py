@@ -18,7 +18,7 @@ from pathlib import Path
 from hsextract.errors import CorruptOutput, Retry, UsageError
 from hsextract.journal import OutputState
 from hsextract.layers import parse_layer_spec
-from hsextract.options import WorkerOptions
+from hsextract.options import DEFAULT_KERNELS, WorkerOptions
 from hsextract.recipe import Recipe, RecipeMismatch, describe
 from hsextract.store import NoSuchBucket, Store, open_store, scan
 
@@ -135,7 +135,7 @@ def worker_options(p: dict, access: S3Access) -> WorkerOptions:
     what `p` asks that the workers cannot do (ValueError naming the parameter)."""
     options = WorkerOptions(
         model=Path(p["model"]), data=Path(p["data"]), out=p["output"], layers=p["layers"], max_length=p["max_length"],
-        include_last=p.get("include_last", False), kernels=p.get("kernels") or "default",
+        include_last=p.get("include_last", False), kernels=p.get("kernels") or DEFAULT_KERNELS,
         overlong=p.get("long_samples") or WorkerOptions.overlong,
         max_skipped=p.get("max_skipped", WorkerOptions.max_skipped), retry_skipped=p.get("retry_skipped") or "",
         token_budget=p["token_budget"], device=p["device"], dtype=p["dtype"], out_dtype=p["out_dtype"],

@@ -23,7 +23,7 @@ from .kernels import fused_available
 from .layers import layers_to_load
 from .liveness import Heartbeat, Progress
 from .model import read_model_info
-from .options import WorkerOptions
+from .options import DEFAULT_KERNELS, WorkerOptions
 from .payload import Prepared
 from .preload import Preload, start_preload
 from .prewarm import SHORTEST, Prewarm, WarmThread, mark_tuned, tuned_marker
@@ -82,7 +82,7 @@ class ShardRun(Shard):
         """The device and dtype the options ask for, as they resolve here (UsageError when the kernels cannot run)."""
         device = resolve_device(self.opts.device)
         dtype = resolve_dtype(self.opts.dtype, device)
-        if self.opts.kernels != "default" and (why := fused_available(torch.device(device))):
+        if self.opts.kernels != DEFAULT_KERNELS and (why := fused_available(torch.device(device))):
             raise UsageError(f"--kernels {self.opts.kernels}: {why}")
         return device, dtype
 
@@ -520,7 +520,7 @@ class StartUp:
             capture = run.make_capture(opts.model, self.layer_ids, opts.include_last, self.device, self.dtype,
                                        random_weights=opts.random_weights,
                                        **({"preload": run.preload} if run.preload is not None else {}),
-                                       **({"kernels": opts.kernels} if opts.kernels != "default" else {}))
+                                       **({"kernels": opts.kernels} if opts.kernels != DEFAULT_KERNELS else {}))
         finally:
             run.stop_read_ahead()  # done with the load, or with the worker
         run.load_s = time.monotonic() - started
