@@ -11,7 +11,7 @@ Reads the product's Python files (src/hsextract, tasks, flows, deployments) as t
   design however it is spelled at run time; those under `if TYPE_CHECKING:` name a type only), and private names (`_x`) imported from another module;
 - places that state a setting's value: for every parameter of the `extract` flow, each function parameter
   default, class field default, argparse `default=`, entry of a dict literal with two or more settings as keys, or keyword argument with a literal
-  value under its name (one each is the goal);
+  value (not `None`: it states none) under its name (one each is the goal);
 - places that branch on the output's scheme outside the store package (`hsextract/store`): a call of `startswith`/`removeprefix`/`endswith` with a
   `s3://` or `file://` literal, a comparison with such a literal, or `"://" in ...`;
 - public definitions (module-level functions and classes, and methods, whose names do not start with `_`)
@@ -177,9 +177,9 @@ def flow_parameters(trees: dict[str, ast.Module]) -> list[str]:
 
 
 def is_literal(node: ast.AST | None) -> bool:
-    """A constant, or a tuple/list of constants, or a negative number."""
+    """A constant, or a tuple/list of constants, or a negative number; `None` is none (it states no value)."""
     if isinstance(node, ast.Constant):
-        return True
+        return node.value is not None
     if isinstance(node, ast.UnaryOp):
         return is_literal(node.operand)
     return isinstance(node, (ast.Tuple, ast.List)) and all(is_literal(e) for e in node.elts)
@@ -210,8 +210,7 @@ def setting_values(tree: ast.AST, settings: set[str]) -> list[tuple[str, int]]:
                 if dest in settings and any(k.arg == "default" and is_literal(k.value) for k in node.keywords):
                     found.append((dest, node.lineno))
             else:
-                found += [(k.arg, node.lineno) for k in node.keywords if k.arg in settings and is_literal(k.value)
-                          and not (isinstance(k.value, ast.Constant) and k.value.value is None)]
+                found += [(k.arg, node.lineno) for k in node.keywords if k.arg in settings and is_literal(k.value)]
         elif isinstance(node, ast.Dict):  # a dict of parameters: two or more of its keys are settings
             keyed = [(k.value, v) for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)
                      and k.value in settings]

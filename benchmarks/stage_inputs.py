@@ -206,7 +206,7 @@ def main() -> int:
                 lines.append(row("S3, raw copy (boto3 download_file)", raw_s, total))
                 print(lines[-1], flush=True)
                 params = {"model": f"s3://{BUCKET}/model/", "data": f"s3://{BUCKET}/data/"}
-                sources = resolve_sources(params, access)
+                sources = resolve_sources(params["model"], params["data"], access)
                 def stage(host, sources):
                     return stage_host(host, sources, bundle.sha256, access, threads=args.threads,
                                       part_mib=args.part_mib)
@@ -220,12 +220,12 @@ def main() -> int:
                                  first_s + settle_s, total, raw_rate))
                 print(lines[-1], flush=True)
                 clear(inventory, "inputs")
-                sources = resolve_sources(params, access)  # now with the manifest
+                sources = resolve_sources(params["model"], params["data"], access)  # now with the manifest
                 again_s, staged = on_all(inventory, lambda host: stage(host, sources))
                 assert all(s.sent_bytes == per_host for s in staged)
                 lines.append(row("S3, staged (manifest known)", again_s, total, raw_rate))
                 print(lines[-1], flush=True)
-                lines.append(second_staging("S3", inventory, lambda: resolve_sources(params, access), stage))
+                lines.append(second_staging("S3", inventory, lambda: resolve_sources(params["model"], params["data"], access), stage))
                 print(lines[-1], flush=True)
                 clear(inventory, "inputs")
 
@@ -258,7 +258,7 @@ def main() -> int:
                 print(lines[-1], flush=True)
                 began = time.monotonic()
                 params = {"model": f"orchestrator:{model}", "data": f"orchestrator:{data}"}
-                sources = resolve_sources(params, access)
+                sources = resolve_sources(params["model"], params["data"], access)
                 manifest_s = time.monotonic() - began
                 def stage(host, sources):  # noqa: F811
                     return stage_host(host, sources, bundle.sha256, access)
@@ -268,7 +268,7 @@ def main() -> int:
                 lines.append(f"| orchestrator, the manifest made once on the orchestrator (sha256 of the source) | "
                              f"{manifest_s:.1f} | {per_host / 2**30:.1f} | {per_host / manifest_s / 2**20:,.0f} | |")
                 print("\n".join(lines[-2:]), flush=True)
-                lines.append(second_staging("orchestrator", inventory, lambda: resolve_sources(params, access),
+                lines.append(second_staging("orchestrator", inventory, lambda: resolve_sources(params["model"], params["data"], access),
                                             stage))
                 clear(inventory, "inputs")
     finally:

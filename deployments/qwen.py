@@ -32,6 +32,7 @@ from pathlib import Path
 
 from flows.extract import PARAMETERS, ROOT, extract
 from tasks.rerun import RERUN_EVENT
+from tasks.settings import Settings
 
 POOL = "hsextract"
 #: the Qwen3.6-27B DFlash recipe (64 layers: dflash:5 = 1,16,31,46,61)
@@ -188,9 +189,10 @@ def register(model: str, data: str, output: str, hosts: str, aws_credentials: st
     """The whole set-up on the current Prefect server: pool, both deployments, the automations."""
     parameters = {"model": model, "data": data, "output": output, "hosts": hosts, **RECIPE,
                   **({"aws_credentials": aws_credentials} if aws_credentials else {}), **(overrides or {})}
-    unknown = sorted(set(parameters) - set(PARAMETERS))
-    if unknown:
-        raise SystemExit(f"unknown parameter(s) {unknown}; the flow takes {list(PARAMETERS)}")
+    try:  # a name the flow does not take, or a value its type refuses: said now, not at the first run
+        Settings.from_flat(parameters)
+    except ValueError as exc:
+        raise SystemExit(f"the deployments' parameters: {exc}") from None
     ensure_pool(pool)
     deployments = register_deployments(parameters, pool, rerun_every, env)
     return {"pool": pool, "deployments": deployments, "automations": register_automations(rerun_delay, zombie_after),

@@ -13,16 +13,11 @@ import inspect
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import Field
 
-from flows.parameters import DEFAULT_LAYERS, LayerSpec, OutputUri, Positive, Seconds
 from hsextract.errors import Retry
-from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM
-from hsextract.options import WorkerOptions as W
 from tasks.board import Board, run_key
 from tasks.cancel import (
     Cancel,
@@ -33,15 +28,38 @@ from tasks.cancel import (
     hold_stopped_shards,
     stop_on_cancellation,
 )
-from tasks.commands import RUN_NAME_PATTERN
 from tasks.deploy import deploy_hosts
 from tasks.failures import Failure
 from tasks.monitor import HostPool
 from tasks.orphans import close_orphans
-from tasks.plan import ROOT, RunIncomplete, plan_run, run_name_of, worker_version
+from tasks.plan import ROOT, RunIncomplete, plan_run, worker_version
 from tasks.reconcile import reconcile
 from tasks.rerun import completed, failed, incomplete, refused, related_resources, unreconciled
-from tasks.shards import Deadlines as D
+from tasks.settings import (
+    DEFAULT,
+    Confine,
+    Count,
+    Device,
+    Dtype,
+    Gigabytes,
+    Grace,
+    Kernels,
+    LayerSpec,
+    LongSamples,
+    NonEmpty,
+    OutDtype,
+    OutputUri,
+    Positive,
+    Preflight,
+    Rate,
+    Reasons,
+    RunName,
+    Seconds,
+    Settings,
+    Share,
+    UploadFrom,
+    run_name_of,
+)
 from tasks.slots import run_shards
 from tasks.stage import dataset_here, settle_manifests
 
@@ -53,8 +71,8 @@ def flow_run_name() -> str:
     (`qwen36-chat`, `qwen36-chat · re-run 2`): the runs list shows which runs are one job."""
     from prefect.runtime import flow_run
 
-    p = flow_run.parameters
-    name, depth = run_name_of(p), p.get("rerun_depth") or 0
+    stored = flow_run.parameters
+    name, depth = run_name_of(stored), stored.get("rerun_depth") or 0
     return f"{name} · re-run {depth}" if depth else name
 
 
@@ -77,47 +95,46 @@ def tag_flow_run(run: str) -> None:
 @flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True,
       flow_run_name=flow_run_name, on_cancellation=[stop_on_cancellation])
 def extract(
-    model: Annotated[str, Field(min_length=1)],
-    data: Annotated[str, Field(min_length=1)],
+    model: NonEmpty,
+    data: NonEmpty,
     output: OutputUri,
-    hosts: Annotated[str, Field(min_length=1)],
-    layers: LayerSpec = DEFAULT_LAYERS,
-    include_last: bool = W.include_last,
-    num_shards: Positive | None = None,
-    shards: list[Annotated[int, Field(ge=0)]] | None = None,
-    run_name: Annotated[str, Field(pattern=RUN_NAME_PATTERN, description="letters, digits, . _ - (a directory "
-                                   "name on every host: no path, spaces or shell characters)")] | None = None,
-    aws_credentials: str | None = None,
-    max_length: Positive | None = W.max_length,
-    dtype: Literal[DTYPES] = W.dtype,
-    out_dtype: Literal[OUT_DTYPES] = W.out_dtype,
-    upload_from: Literal[UPLOAD_FROM] = W.upload_from,
-    upload_memory_gb: Annotated[float, Field(gt=0)] = W.upload_memory_gb,
-    token_budget: Positive = W.token_budget,
-    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = W.device,
-    heartbeat_interval_s: Seconds = W.heartbeat_interval,
-    launch_timeout_s: Seconds = D.launch_timeout_s,
-    stall_timeout_s: Seconds = D.stall_timeout_s,
-    poll_interval_s: Seconds = D.poll_interval_s,
-    host_timeout_s: Seconds = D.host_timeout_s,
-    verify_checksums: bool = False,
-    max_attempts: Positive = 3,
-    reset_attempts: bool = False,
-    rerun_depth: Annotated[int, Field(ge=0)] = 0,
-    max_reruns: Annotated[int, Field(ge=0)] = 10,
-    status_interval_s: Seconds = 15.0,
-    progress_timeout_s: Seconds = D.progress_timeout_s,
-    spool_high_gb: Annotated[float, Field(gt=0)] = W.spool_high_gb,
-    spool_low_gb: Annotated[float, Field(gt=0)] = W.spool_low_gb,
-    confine: Literal[CONFINE_MODES] = W.confine,
-    cancel_grace_s: Annotated[float, Field(ge=0)] = 60.0,
-    synthetic_tokens_per_s: Annotated[float, Field(gt=0)] | None = None,
-    preflight: Literal["off", "first", "only"] = "off",
-    benchmark: bool = False,
-    kernels: Literal[KERNEL_CHOICES] = W.kernels,
-    long_samples: Literal[OVERLONG_POLICIES] = W.overlong,
-    max_skipped: Annotated[float, Field(ge=0, le=1)] = W.max_skipped,
-    retry_skipped: Annotated[str, Field(pattern=r"^[a-z_,]*$")] = W.retry_skipped,
+    hosts: NonEmpty,
+    layers: LayerSpec = DEFAULT.layers,
+    include_last: bool = DEFAULT.include_last,
+    num_shards: Positive | None = DEFAULT.num_shards,
+    shards: list[Count] | None = DEFAULT.shards,
+    run_name: RunName | None = DEFAULT.run_name,
+    aws_credentials: str | None = DEFAULT.aws_credentials,
+    max_length: Positive | None = DEFAULT.max_length,
+    dtype: Dtype = DEFAULT.dtype,
+    out_dtype: OutDtype = DEFAULT.out_dtype,
+    upload_from: UploadFrom = DEFAULT.upload_from,
+    upload_memory_gb: Gigabytes = DEFAULT.upload_memory_gb,
+    token_budget: Positive = DEFAULT.token_budget,
+    device: Device = DEFAULT.device,
+    heartbeat_interval_s: Seconds = DEFAULT.heartbeat_interval_s,
+    launch_timeout_s: Seconds = DEFAULT.launch_timeout_s,
+    stall_timeout_s: Seconds = DEFAULT.stall_timeout_s,
+    poll_interval_s: Seconds = DEFAULT.poll_interval_s,
+    host_timeout_s: Seconds = DEFAULT.host_timeout_s,
+    verify_checksums: bool = DEFAULT.verify_checksums,
+    max_attempts: Positive = DEFAULT.max_attempts,
+    reset_attempts: bool = DEFAULT.reset_attempts,
+    rerun_depth: Count = DEFAULT.rerun_depth,
+    max_reruns: Count = DEFAULT.max_reruns,
+    status_interval_s: Seconds = DEFAULT.status_interval_s,
+    progress_timeout_s: Seconds = DEFAULT.progress_timeout_s,
+    spool_high_gb: Gigabytes = DEFAULT.spool_high_gb,
+    spool_low_gb: Gigabytes = DEFAULT.spool_low_gb,
+    confine: Confine = DEFAULT.confine,
+    cancel_grace_s: Grace = DEFAULT.cancel_grace_s,
+    synthetic_tokens_per_s: Rate | None = DEFAULT.synthetic_tokens_per_s,
+    preflight: Preflight = DEFAULT.preflight,
+    benchmark: bool = DEFAULT.benchmark,
+    kernels: Kernels = DEFAULT.kernels,
+    long_samples: LongSamples = DEFAULT.long_samples,
+    max_skipped: Share = DEFAULT.max_skipped,
+    retry_skipped: Reasons = DEFAULT.retry_skipped,
 ):
     """Extract hidden states of `model` over `data` on the hosts of `hosts`, one shard per GPU, into `output`.
 
@@ -151,14 +168,13 @@ def extract(
     or stores none, fails naming its reasons (not retried); `retry_skipped` ("invalid_record,too_long") makes
     the workers try the samples skipped for those reasons again (after the data or the options were fixed).
     """
-    params = {name: value for name, value in locals().items() if name in PARAMETERS}  # for a re-run request
+    settings = Settings.from_flat({name: value for name, value in locals().items() if name in PARAMETERS})
     log = get_run_logger()
     if preflight != "off":
         from flows.preflight import PREFLIGHT_PARAMETERS
         from flows.preflight import preflight as preflight_flow
 
-        checked = preflight_flow(**{k: params[k] for k in PREFLIGHT_PARAMETERS}, benchmark=benchmark,
-                                 return_state=True)
+        checked = preflight_flow(**settings.flat(PREFLIGHT_PARAMETERS), return_state=True)
         if preflight == "only" or not checked.is_completed():  # this run ends as its preflight did
             from prefect.states import Completed, Failed
 
@@ -168,13 +184,13 @@ def extract(
     plan = board = cancel = None
     try:
         try:
-            plan = plan_run(params, log)
+            plan = plan_run(settings, log)
         except ValueError as exc:  # refused before anything ran (another recipe, bad inventory, no credentials)
-            return refused(run_name_of(params), exc, log)
+            return refused(settings.job.run, exc, log)
         tag_flow_run(plan.run)
-        if (held := hold_if_cancelled(plan, params, log)) is not None:
+        if (held := hold_if_cancelled(plan, log)) is not None:
             return held
-        hold_stopped_shards(plan, params, log)
+        hold_stopped_shards(plan, log)
         close_orphans(plan.run, log)
         cancel = Cancel(plan.run, plan.inventory, cancel_grace_s, log, by=flow_run_label())
         with Board(plan.run, plan.num_shards, plan.requested, plan.attempts, status_interval_s, related_resources(),
@@ -204,7 +220,7 @@ def extract(
                 log.info("run %s: supervised with %d probe round trip(s) to %d host(s) in %.0fs, %d SSH "
                          "connection(s) made (shared by launches, probes and kills)", plan.run, s["round_trips"],
                          s["hosts"], time.monotonic() - began, s["connections"])
-        return conclude(plan, board, done, {**plan.failures, **failures, **shard_failures}, params, log)
+        return conclude(plan, board, done, {**plan.failures, **failures, **shard_failures}, log)
     except cancel_signals() as exc:
         return cancelled(plan, board, cancel, exc, log)
 
@@ -214,7 +230,7 @@ def extract(
 PARAMETERS = tuple(inspect.signature(extract.fn).parameters)
 
 
-def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: dict, log):
+def conclude(plan, board: Board, done: dict[int, str], failures: dict, log):
     """The run's verdict once its shards ended: Failed naming every failure (and asking for a re-run where one
     can help), else the output reconciled against the dataset and Completed."""
     for shard, outcome in done.items():  # ended on a stop request: named, not retried, no attempt counted
@@ -224,27 +240,28 @@ def conclude(plan, board: Board, done: dict[int, str], failures: dict, params: d
                                                  retry=Retry.NEVER, shard=shard, num_shards=plan.num_shards)
     outcomes = {**done, **{s: "done (already complete)" for s in plan.already}, **{s: "capped" for s in plan.capped},
                 **{s: "stopped" for s in plan.stopped}}
-    summary = {"run_name": plan.run, "output": params["output"], "num_shards": plan.num_shards,
+    job = plan.settings.job
+    summary = {"run_name": plan.run, "output": job.output, "num_shards": plan.num_shards,
                "shards": {str(s): outcomes.get(s, "failed") for s in plan.requested}}
     if failures:
-        return failed(plan, board, incomplete(plan, summary["shards"], failures, params, log))
+        return failed(plan, board, incomplete(plan, summary["shards"], failures, log))
     log.info("run %s: all %d requested shard(s) complete", plan.run, len(plan.requested))
-    data = dataset_here(params["data"], plan.sources, plan.access) if plan.reachable() else params["data"]
+    data = dataset_here(job.data, plan.sources, plan.access) if plan.reachable() else job.data
     if not (plan.reachable() and Path(data).exists()):
         log.warning("run %s: reconcile skipped: the output or the dataset (%s) is not visible from the orchestrator "
                     "(file:// output on remote hosts, or a dataset path only the hosts have)", plan.run, data)
         return completed(plan, board, summary, f"{len(plan.requested)} shard(s) done (not reconciled from here)")
-    summary["reconcile"] = reconcile(plan.store, data, plan.num_shards, params["verify_checksums"],
+    summary["reconcile"] = reconcile(plan.store, data, plan.num_shards, plan.settings.checks.verify_checksums,
                                      artifact_key=f"reconcile-{run_key(plan.run)}")
-    if error := unreconciled(plan, summary["reconcile"], params, log):
+    if error := unreconciled(plan, summary["reconcile"], log):
         return failed(plan, board, error, "failed: samples missing")
     checked = summary["reconcile"]
     if checked["expected"] == 0 or len(checked["recipes"]) > 1 or checked["changed"]:  # no re-run can help
         why = ("the dataset has no samples: nothing was extracted, nothing sealed" if checked["expected"] == 0 else
                f"the output holds {len(checked['recipes'])} recipes ({', '.join(checked['recipes'])}): not one "
-               f"dataset, not sealed; `hsextract fsck {params['output']}` lists which files are which"
+               f"dataset, not sealed; `hsextract fsck {job.output}` lists which files are which"
                if len(checked["recipes"]) > 1 else
-               f"{checked['changed']} record(s) of {params['data']} are not the records their stored samples were "
+               f"{checked['changed']} record(s) of {job.data} are not the records their stored samples were "
                f"made from (e.g. {', '.join(checked['changed_ids'][:3])}): the dataset changed, or another one "
                f"reuses its ids; not sealed. A changed dataset takes a new output")
         log.error("run %s: %s", plan.run, why)

@@ -16,23 +16,35 @@ parameters; `preflight="first"` runs it before the extraction and stops there if
 
 import inspect
 import time
-from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import Field
 
-from flows.parameters import DEFAULT_LAYERS, LayerSpec, OutputUri, Positive
-from hsextract.options import CONFINE_MODES, DTYPES, OUT_DTYPES, UPLOAD_FROM
-from hsextract.options import WorkerOptions as W
 from tasks.board import run_key
 from tasks.bundle import build_bundle
 from tasks.credentials import load_access
-from tasks.plan import ROOT, resolve_inventory, run_name_of, worker_options, worker_version
+from tasks.plan import ROOT, resolve_inventory, worker_options, worker_version
 from tasks.preflight import CHECKS, HostReport, bytes_per_token, check_host, gib, judge_disk, plan_figures
+from tasks.settings import (
+    DEFAULT,
+    GROUP_OF,
+    Confine,
+    Device,
+    Dtype,
+    Gigabytes,
+    LayerSpec,
+    NonEmpty,
+    OutDtype,
+    OutputUri,
+    Positive,
+    Rate,
+    RunName,
+    Settings,
+    UploadFrom,
+)
 from tasks.stage import resolve_sources
 
 __all__ = ["PREFLIGHT_PARAMETERS", "preflight"]
@@ -54,27 +66,27 @@ def check_one(host_name: str, inventory, bundle, version: str, options, access, 
 
 @flow(name="preflight", task_runner=ThreadPoolTaskRunner(max_workers=64), validate_parameters=True)
 def preflight(
-    model: Annotated[str, Field(min_length=1)],
-    data: Annotated[str, Field(min_length=1)],
+    model: NonEmpty,
+    data: NonEmpty,
     output: OutputUri,
-    hosts: Annotated[str, Field(min_length=1)],
-    layers: LayerSpec = DEFAULT_LAYERS,
-    include_last: bool = W.include_last,
-    num_shards: Positive | None = None,
-    run_name: str | None = None,
-    aws_credentials: str | None = None,
-    max_length: Positive | None = W.max_length,
-    dtype: Literal[DTYPES] = W.dtype,
-    out_dtype: Literal[OUT_DTYPES] = W.out_dtype,
-    upload_from: Literal[UPLOAD_FROM] = W.upload_from,
-    upload_memory_gb: Annotated[float, Field(gt=0)] = W.upload_memory_gb,
-    token_budget: Positive = W.token_budget,
-    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = W.device,
-    spool_high_gb: Annotated[float, Field(gt=0)] = W.spool_high_gb,
-    spool_low_gb: Annotated[float, Field(gt=0)] = W.spool_low_gb,
-    confine: Literal[CONFINE_MODES] = W.confine,
-    synthetic_tokens_per_s: Annotated[float, Field(gt=0)] | None = None,
-    benchmark: bool = False,
+    hosts: NonEmpty,
+    layers: LayerSpec = DEFAULT.layers,
+    include_last: bool = DEFAULT.include_last,
+    num_shards: Positive | None = DEFAULT.num_shards,
+    run_name: RunName | None = DEFAULT.run_name,
+    aws_credentials: str | None = DEFAULT.aws_credentials,
+    max_length: Positive | None = DEFAULT.max_length,
+    dtype: Dtype = DEFAULT.dtype,
+    out_dtype: OutDtype = DEFAULT.out_dtype,
+    upload_from: UploadFrom = DEFAULT.upload_from,
+    upload_memory_gb: Gigabytes = DEFAULT.upload_memory_gb,
+    token_budget: Positive = DEFAULT.token_budget,
+    device: Device = DEFAULT.device,
+    spool_high_gb: Gigabytes = DEFAULT.spool_high_gb,
+    spool_low_gb: Gigabytes = DEFAULT.spool_low_gb,
+    confine: Confine = DEFAULT.confine,
+    synthetic_tokens_per_s: Rate | None = DEFAULT.synthetic_tokens_per_s,
+    benchmark: bool = DEFAULT.benchmark,
     benchmark_samples: Positive = 64,
     sample_tokens: Positive = 1000,
 ):
@@ -83,13 +95,13 @@ def preflight(
     would fail. `benchmark`: also time the real worker (random weights, ~`benchmark_samples` samples) on each
     host's first GPU. `sample_tokens`: dataset records tokenized (spread over the file) to estimate its tokens."""
     log = get_run_logger()
-    params = {name: value for name, value in locals().items() if name in PREFLIGHT_PARAMETERS}
+    settings = Settings.from_flat({name: value for name, value in locals().items() if name in PREFLIGHT_PARAMETERS})
     began = time.monotonic()
-    run = run_name_of(params)
+    run = settings.job.run
     inventory = resolve_inventory(hosts)
     access = load_access(aws_credentials)
-    options = worker_options({**params, "heartbeat_interval_s": W.heartbeat_interval}, access)
-    sources = resolve_sources(params, access)  # an s3:// or orchestrator: input that is not there fails here
+    options = worker_options(settings, access)
+    sources = resolve_sources(model, data, access)  # an s3:// or orchestrator: input that is not there fails here
     bundle, version = build_bundle(ROOT), worker_version()
     names = [h.name for h in inventory.hosts]
     futures = {name: check_one.submit(name, inventory, bundle, version, options, access,
@@ -121,10 +133,9 @@ def preflight(
     return Completed(message=f"preflight of run {run}: {len(reports)} host(s) ready", data=result)
 
 
-#: the parameters `preflight` shares with `extract` (same names, types and defaults), read from its signature:
+#: the settings `preflight` shares with `extract` (same names, types and defaults), read from its signature:
 #: extract passes these on
-PREFLIGHT_PARAMETERS = tuple(name for name in inspect.signature(preflight.fn).parameters
-                             if name not in ("benchmark", "benchmark_samples", "sample_tokens"))
+PREFLIGHT_PARAMETERS = tuple(name for name in inspect.signature(preflight.fn).parameters if name in GROUP_OF)
 
 
 def counted(report: HostReport) -> dict | None:

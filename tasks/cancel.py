@@ -28,6 +28,7 @@ from hsextract.store import Store
 from .commands import alive_cmd, stop_cmd
 from .hosts import HostError, connect
 from .inventory import Inventory
+from .settings import DEFAULT
 
 CANCELLED_KEY = "_runs/{run}/cancelled.json"
 STOPPED_KEY = "_runs/{run}/stopped.json"
@@ -192,13 +193,13 @@ def flow_run_label() -> str:
     return f"flow run {run.name} ({run.id})" if run is not None else ""
 
 
-def started_by_automation(params: dict) -> str:
+def started_by_automation(rerun_depth: int) -> str:
     """What started this flow run when no person did (an automated re-run, the re-run schedule, an
     automation), "" when a person did (the UI, `prefect deployment run`, a direct call)."""
     from prefect.context import FlowRunContext
 
-    if params.get("rerun_depth"):
-        return f"automated re-run {params['rerun_depth']}"
+    if rerun_depth:
+        return f"automated re-run {rerun_depth}"
     ctx = FlowRunContext.get()
     run = ctx.flow_run if ctx else None
     if run is None:
@@ -218,7 +219,7 @@ def started_by_automation(params: dict) -> str:
     return ""
 
 
-def hold_if_cancelled(plan, params: dict, log):
+def hold_if_cancelled(plan, log):
     """A run of a cancelled run_name: held (a Cancelled state to return) when an automation or schedule
     started it; a person's run clears the mark and the stopped-shard marks, and goes on (None)."""
     from prefect.states import Cancelled
@@ -228,14 +229,14 @@ def hold_if_cancelled(plan, params: dict, log):
     mark = cancelled_mark(plan.store, plan.run)
     if mark is None:
         return None
-    automated = started_by_automation(params)
+    automated = started_by_automation(plan.settings.retries.rerun_depth)
     if automated:
         why = (f"run {plan.run}: held: it was cancelled ({mark.get('why', '?')}); started by {automated}, "
                f"not by a person: nothing launched. Start it by hand to resume it")
         log.warning(why)
         return Cancelled(message=why)
     # workers of the cancelled run still going (a host that was unreachable then): stopped, not adopted
-    grace = params.get("cancel_grace_s", 60.0)
+    grace = plan.settings.deadlines.cancel_grace_s
     for stop in stop_workers(plan.inventory, plan.run, "cancelled", f"left running by the cancelled run {plan.run}",
                              grace, wait_s=grace + 10.0):
         if stop.signalled or stop.error:
@@ -309,18 +310,19 @@ def stop_on_cancellation(flow, flow_run, state) -> None:
     from hsextract.store import open_store
 
     from .credentials import load_access
-    from .plan import reachable, resolve_inventory, run_name_of
+    from .plan import reachable, resolve_inventory
+    from .settings import Settings
 
     log = logging.getLogger("hsextract.cancel")
-    params = dict(flow_run.parameters or {})
     try:
-        run = run_name_of(params)
-        inventory = resolve_inventory(params["hosts"])
-        grace = float(params.get("cancel_grace_s") or 60.0)
+        settings = Settings.from_stored(flow_run.parameters or {})
+        run, job = settings.job.run, settings.job
+        inventory = resolve_inventory(job.hosts)
+        grace = settings.deadlines.cancel_grace_s
         for stop in stop_workers(inventory, run, "cancelled", f"run {run} cancelled (flow run {flow_run.name})",
                                  grace, wait_s=0):
             log.warning("run %s: on cancellation: %s", run, stop.describe())
-        store = open_store(params["output"], client=load_access(params.get("aws_credentials")).client)
+        store = open_store(job.output, client=load_access(job.aws_credentials).client)
         if reachable(store, inventory) and cancelled_mark(store, run) is None:
             mark_cancelled(store, run, f"flow run {flow_run.name} ({flow_run.id})", "cancelled")
     except Exception as exc:
@@ -328,7 +330,7 @@ def stop_on_cancellation(flow, flow_run, state) -> None:
                   type(exc).__name__, exc)
 
 
-def hold_stopped_shards(plan, params: dict, log) -> dict[int, str]:
+def hold_stopped_shards(plan, log) -> dict[int, str]:
     """Shards stopped on purpose (`stop_shards`): an automated run leaves them out (returned: shard -> why,
     and named in `plan.failures`, not retried); a person's run clears the marks and runs them."""
     from .failures import Failure
@@ -338,7 +340,7 @@ def hold_stopped_shards(plan, params: dict, log) -> dict[int, str]:
     marks = stopped_marks(plan.store, plan.run)
     if not marks:
         return {}
-    automated = started_by_automation(params)
+    automated = started_by_automation(plan.settings.retries.rerun_depth)
     if not automated:
         clear_stopped(plan.store, plan.run)
         log.info("run %s: shard(s) %s were stopped on purpose; started by hand: running them", plan.run,
@@ -355,7 +357,7 @@ def hold_stopped_shards(plan, params: dict, log) -> dict[int, str]:
 
 
 def stop_shards(hosts: str, output: str, run: str, shards: list[int], why: str, aws_credentials: str | None = None,
-                grace_s: float = 60.0) -> list[HostStop]:
+                grace_s: float = DEFAULT.cancel_grace_s) -> list[HostStop]:
     """Stop shards of a run on purpose, without cancelling the run: mark them stopped beside the attempt
     record (automated runs leave them out until a person's run), then stop their workers wherever they run.
     The flow run supervising them names them stopped and ends Failed, asking for no re-run of them."""
@@ -386,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     stop.add_argument("--shard", type=int, action="append", required=True, dest="shards")
     stop.add_argument("--why", default="stopped by hand")
     stop.add_argument("--aws-credentials", default=None, help="the AwsCredentials block of an s3:// output")
-    stop.add_argument("--grace", type=float, default=60.0, help="seconds from SIGTERM to SIGKILL (default 60)")
+    stop.add_argument("--grace", type=float, default=DEFAULT.cancel_grace_s,
+                      help=f"seconds from SIGTERM to SIGKILL (default {DEFAULT.cancel_grace_s:g})")
     args = parser.parse_args(argv)
     stops = stop_shards(args.hosts, args.output, args.run_name, args.shards, args.why, args.aws_credentials,
                         args.grace)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .plan import run_name_of
+from .settings import run_name_of
 
 #: states whose flow run will never report again: its task runs still Pending or Running are orphans
 DEAD = ("CRASHED", "FAILED", "CANCELLED", "COMPLETED")

@@ -56,17 +56,18 @@ def deployment_name() -> str:
         return ""
 
 
-def request_rerun(plan: Plan, params: dict, rerun: list[int], capped: list[int], log) -> str:
+def request_rerun(plan: Plan, rerun: list[int], capped: list[int], log) -> str:
     """Emit `extract.run.incomplete` asking for a run of the shards `rerun` (unless the chain of automated re-runs
     is at `max_reruns`); `capped`: failed shards left out at the attempt cap. Returns what was asked, for the
     run's message."""
-    depth, most = params["rerun_depth"], params["max_reruns"]
+    depth, most = plan.settings.retries.rerun_depth, plan.settings.retries.max_reruns
     if not rerun:
         return f"no re-run requested: shard(s) {capped} are at the attempt cap" if capped else "no re-run requested"
     if depth >= most:
         return f"no re-run requested: {depth} automated re-run(s) already, max_reruns={most}"
     # num_shards pinned: shard i means the same samples in the re-run even if the inventory changed meanwhile
-    parameters = {**params, "run_name": plan.run, "shards": rerun, "rerun_depth": depth + 1, "reset_attempts": False}
+    parameters = plan.settings.replace(run_name=plan.run, shards=rerun, rerun_depth=depth + 1,
+                                       reset_attempts=False).flat()
     emit_event(RERUN_EVENT, resource={"prefect.resource.id": f"hsextract.run.{run_key(plan.run)}",
                                       "prefect.resource.name": plan.run, "hsextract.run": plan.run},
                related=related_resources(),
@@ -77,8 +78,7 @@ def request_rerun(plan: Plan, params: dict, rerun: list[int], capped: list[int],
             + (f"; shard(s) {capped} at the attempt cap" if capped else ""))
 
 
-def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure], params: dict, log
-               ) -> RunIncomplete:
+def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure], log) -> RunIncomplete:
     """The run's error when shards or hosts failed: a short message (what happened, the re-run asked for or
     why none, one line per cause) and the evidence of every failure in the `failure-<run>` artifact.
 
@@ -94,13 +94,14 @@ def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure],
     failed = [s for s in ended if s not in stopped]
     mistakes = sorted({f.shard for f in failures.values() if f.shard is not None and f.retry is Retry.NEVER}
                       & set(failed))
-    rerun = [s for s in failed if s not in mistakes and plan.attempts.get(s).failed_attempts < params["max_attempts"]]
+    most = plan.settings.retries.max_attempts
+    rerun = [s for s in failed if s not in mistakes and plan.attempts.get(s).failed_attempts < most]
     capped = sorted(set(failed) - set(rerun) - set(mistakes))
     fix = "not retried (a re-run cannot fix this): fix it, then run again"
     if (mistakes or stopped) and not rerun and not capped:
         note = fix if mistakes else ""
     else:
-        note = request_rerun(plan, params, rerun, capped, log) + (f"; shard(s) {mistakes} {fix}" if mistakes else "")
+        note = request_rerun(plan, rerun, capped, log) + (f"; shard(s) {mistakes} {fix}" if mistakes else "")
     if stopped:
         note = "; ".join(filter(None, [note, f"shard(s) {shard_list(stopped)} stopped on purpose: not re-run until "
                                              f"a person starts the run again"]))
@@ -186,13 +187,13 @@ def _ui_url() -> str:
     return (get_current_settings().ui_url or "").rstrip("/")
 
 
-def unreconciled(plan: Plan, checked: dict, params: dict, log) -> RunIncomplete | None:
+def unreconciled(plan: Plan, checked: dict, log) -> RunIncomplete | None:
     """The run's error when reconcile found requested shards' samples missing (their journals now retract the
     lost files, so a re-run redoes exactly those samples); None when it found nothing to redo."""
     redo = sorted(set(checked["shards_to_rerun"]) & set(plan.requested))
     if not redo:
         return None
-    note = request_rerun(plan, params, redo, [], log)
+    note = request_rerun(plan, redo, [], log)
     head = f"run {plan.run}: reconcile found {checked['missing']} sample(s) missing; {note}"
     why = (f"{checked['missing_objects']} object(s) missing, {checked['corrupt_objects']} corrupt: the journals now "
            f"say which files were lost, so a re-run redoes exactly those samples")

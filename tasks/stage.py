@@ -104,9 +104,10 @@ def resolve_source(role: str, uri: str, access: S3Access) -> Source:
     return source
 
 
-def resolve_sources(params: dict, access: S3Access) -> dict[str, Source]:
-    """The staged inputs among the flow's `model` and `data` parameters, by role."""
-    return {role: resolve_source(role, params[role], access) for role in ROLES if is_staged(str(params[role]))}
+def resolve_sources(model: str, data: str, access: S3Access) -> dict[str, Source]:
+    """The staged inputs among a run's `model` and `data`, by role."""
+    places = {"model": model, "data": data}
+    return {role: resolve_source(role, places[role], access) for role in ROLES if is_staged(places[role])}
 
 
 @dataclass

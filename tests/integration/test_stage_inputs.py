@@ -103,7 +103,7 @@ def same_tree(a: Path, b: Path) -> bool:
 
 def test_s3_sources_are_staged_verified_and_never_sent_twice(env, monkeypatch):
     params = {"model": f"s3://{BUCKET}/models/tiny/", "data": f"s3://{BUCKET}/data/chat.parquet"}
-    sources = resolve_sources(params, env["access"])
+    sources = resolve_sources(params["model"], params["data"], env["access"])
     assert not sources["model"].manifest.complete, "no manifest yet: the first staging computes the digests"
     log = Log()
     staged = {name: stage_on(env, name, sources, log) for name in ("h1", "lo")}
@@ -127,7 +127,7 @@ def test_s3_sources_are_staged_verified_and_never_sent_twice(env, monkeypatch):
         for p in env["model"].rglob("*") if p.is_file()}
 
     # a second staging (the manifest now read from S3): nothing is sent, the views are the same
-    again = resolve_sources(params, env["access"])
+    again = resolve_sources(params["model"], params["data"], env["access"])
     assert again["model"].manifest.complete
     for name in ("h1", "lo"):
         second = stage_on(env, name, again)
@@ -207,7 +207,7 @@ def test_an_object_deleted_after_the_plan_is_named_on_its_host(env):
 
 
 def test_a_host_without_the_space_fails_before_a_byte_is_sent(env):
-    sources = resolve_sources({"model": f"s3://{BUCKET}/models/tiny/", "data": "/somewhere/on/the/hosts"},
+    sources = resolve_sources(f"s3://{BUCKET}/models/tiny/", "/somewhere/on/the/hosts",
                               env["access"])
     cache = cache_dir(str(env["base"] / "w-small"))  # a tmpfs seen only in the host's own mount namespace
     abandoned = f"{cache}/partial/abandoned.part"  # a staging given up on a month ago

@@ -98,14 +98,14 @@ def test_the_plan_compares_what_it_can_tell_without_the_model(models):
     recorded = recipe_of(opts(a, overlong="skip"), [1, 2], "float32")
     state = OutputState(recipes={"shard-00000-of-00001": {"fingerprint": recorded.fingerprint,
                                                           "recipe": recorded.to_json()}})
-    check_recipe(state, base, {}, "/o")  # the same parameters: nothing said
+    check_recipe(state, base, "/o")  # the same parameters: nothing said
     with pytest.raises(RecipeMismatch, match=r"layer_ids \[1, 3\] asked, \[1, 2\] in the output"):
-        check_recipe(state, replace(base, layers="1,3"), {}, "/o")
+        check_recipe(state, replace(base, layers="1,3"), "/o")
     with pytest.raises(RecipeMismatch, match='dtype "bfloat16" asked, "float32"'):
-        check_recipe(state, replace(base, device="cuda"), {}, "/o")
+        check_recipe(state, replace(base, device="cuda"), "/o")
     synthetic = recipe_of(opts(a, synthetic=300.0, overlong="skip"), [1, 2], "bfloat16")
     state.recipes["shard-00000-of-00001"] = {"fingerprint": synthetic.fingerprint, "recipe": synthetic.to_json()}
-    check_recipe(state, replace(base, synthetic=1e6), {}, "/o")  # a synthetic run writes bf16 on any device
+    check_recipe(state, replace(base, synthetic=1e6), "/o")  # a synthetic run writes bf16 on any device
     state.recipes["shard-00001-of-00002"] = {"fingerprint": recorded.fingerprint, "recipe": recorded.to_json()}
     with pytest.raises(RecipeMismatch, match="holds 2 recipes"):
-        check_recipe(state, base, {}, "/o")
+        check_recipe(state, base, "/o")
