@@ -24,11 +24,11 @@ from transformers.utils import logging as hf_logging
 hf_logging.set_verbosity_error()
 
 from hsextract import tiny
-from hsextract.batching import pack
-from hsextract.chat import ChatEncoder, Tokenized
-from hsextract.extract import load_tokenizer
-from hsextract.layers import parse_layer_spec
-from hsextract.records import Record, iter_records
+from hsextract.run.batching import pack
+from hsextract.data.chat import ChatEncoder, Tokenized
+from hsextract.run.extract import load_tokenizer
+from hsextract.run.layers import parse_layer_spec
+from hsextract.data.records import Record, iter_records
 
 
 def bare_forward(model_dir: Path, batches: list[list[Tokenized]], num_layers: int | None) -> float:

@@ -6,7 +6,7 @@ Builds ROWS chat records (two to six turns of lognormal lengths, an id each) onc
 groups of 64K), then times, each over every row:
   - pyarrow alone: `pq.read_table` (columnar, no Python objects), and `iter_batches` + `to_pylist` (the rows as
     Python dicts: what any row-wise reader needs)
-  - the worker: `hsextract.records.iter_records` over the Parquet file and over the JSONL (rows -> validated
+  - the worker: `hsextract.data.records.iter_records` over the Parquet file and over the JSONL (rows -> validated
     records with their sample ids); over the Parquet for one shard of 8, as a worker reads it (every row's id,
     its own rows validated); and `iter_ids` over the Parquet (what reconcile reads)
 """
@@ -61,8 +61,8 @@ def main() -> int:
     args = ap.parse_args()
     import pyarrow.parquet as pq
 
-    from hsextract.records import iter_ids, iter_records
-    from hsextract.assign import shard_of
+    from hsextract.data.records import iter_ids, iter_records
+    from hsextract.data.assign import shard_of
 
     work = Path(tempfile.mkdtemp(prefix="hsx-read-"))
     began = time.perf_counter()

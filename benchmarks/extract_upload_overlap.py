@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from hsextract.store import S3Store, s3_client
-from hsextract.upload import BackgroundUploader, Spool
+from hsextract.output.upload import BackgroundUploader, Spool
 from harness.s3proxy import FaultProxy
 
 

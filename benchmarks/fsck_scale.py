@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from hsextract.batchfile import write_batch
-from hsextract.fsck import fsck
+from hsextract.output.batchfile import write_batch
+from hsextract.output.fsck import fsck
 
 
 def build(out: Path, files: int, shards: int, file_kb: int) -> None:

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 import hsextract
 from hsextract import tiny
-from hsextract.kernels import apply_kernels, restore_forwards
+from hsextract.run.kernels import apply_kernels, restore_forwards
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

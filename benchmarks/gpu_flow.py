@@ -124,7 +124,7 @@ def disk_write_gib_s(work: Path, size_mib: int = 2048) -> float:
 
 
 def summaries(out: Path) -> dict[int, dict]:
-    from hsextract.journal import read_entries
+    from hsextract.output.journal import read_entries
 
     found = {}
     for journal in sorted(out.glob("shard-*/journal.jsonl")):

@@ -5,7 +5,7 @@
 
 The model is the Qwen3.6-27B shape of gpu_throughput.py (hidden 5120, 48 Gated DeltaNet + 16 full-attention
 layers at 64), made on the GPU from one seed (no checkpoint), and the batches are the worker's own: the same
-lognormal dataset packed by `hsextract.batching.pack` under the token budget, `--timed-batches` of them spread
+lognormal dataset packed by `hsextract.run.batching.pack` under the token budget, `--timed-batches` of them spread
 over the whole run. Prints, in this order:
 
   - the bare forward (nothing captured) over those batches: tok/s, TFLOP/s (2 x non-embedding parameters x real
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from hsextract import kernels
-from hsextract.capture import LayerCapture
+from hsextract.run import kernels
+from hsextract.run.capture import LayerCapture
 
 from gpu_throughput import SEED, batches, build_data, build_model, spread  # benchmarks/ is the script's folder
 

@@ -52,11 +52,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from hsextract import tiny
-from hsextract.batchfile import write_batch
-from hsextract.batching import pack, padded_tokens
-from hsextract.capture import LayerCapture
-from hsextract.layers import parse_layer_spec
-from hsextract.quant import fp8_bytes_per_token
+from hsextract.output.batchfile import write_batch
+from hsextract.run.batching import pack, padded_tokens
+from hsextract.run.capture import LayerCapture
+from hsextract.run.layers import parse_layer_spec
+from hsextract.output.quant import fp8_bytes_per_token
 
 VOCAB = 32000
 
@@ -230,8 +230,8 @@ def host_syncs(capture: LayerCapture, batch: list[list[int]], hooks: dict) -> di
     hooks, the state checks, fp8's quantization). Returns {way: {"file:line": count}}, printed."""
     import warnings
 
-    from hsextract.extract import ShardRun
-    from hsextract.quant import quantize
+    from hsextract.run.extract import ShardRun
+    from hsextract.output.quant import quantize
 
     ids = torch.zeros(len(batch), max(len(s) for s in batch), dtype=torch.long)
     for row, s in enumerate(batch):
@@ -290,10 +290,10 @@ def bare_and_capture(model_dir: Path, layer_ids: list[int], packed, bare_only: b
     per token), the bare forward over `packed` is timed quiet, then beside a `HostLoad` at the worker's output
     rate, then quiet again. The kernels are warmed for every batch size as the worker warms them. Returns tok/s
     figures and more."""
-    from hsextract.kernels import fla_causal_conv1d, reference_conv, restore_reference_conv, use_fla_conv
+    from hsextract.run.kernels import fla_causal_conv1d, reference_conv, restore_reference_conv, use_fla_conv
 
-    from hsextract.batching import batch_size_buckets
-    from hsextract.prewarm import SHORTEST, Prewarm, default_procs
+    from hsextract.run.batching import batch_size_buckets
+    from hsextract.run.prewarm import SHORTEST, Prewarm, default_procs
 
     tokens = sum(len(s) for b in packed for s in b)
     bare_tokens = sum(len(s) for b in sustained or packed for s in b)
@@ -451,7 +451,7 @@ def state_checks(capture: LayerCapture, packed, layer_ids: list[int], run_captur
     worker's per-batch checks after each forward (`ShardRun.check_states`), with the checks of before (NaN/Inf
     flags alone: `nonfinite_only`) and without any, alternated three times; and each one's device time over the
     batches (CUDA events)."""
-    from hsextract.extract import ShardRun
+    from hsextract.run.extract import ShardRun
 
     ways = {"none": None, "before (NaN/Inf flags)": nonfinite_only, "now (check_states)": ShardRun.check_states}
 
@@ -582,7 +582,7 @@ def sink(out: Path, packed, bytes_per_token: int, ours: bool = True) -> dict[str
 NO_STATE_CHECKS = """
 import runpy, sys
 from gpu_throughput import nonfinite_only
-from hsextract.extract import ShardRun
+from hsextract.run.extract import ShardRun
 ShardRun.check_states = staticmethod(nonfinite_only)
 sys.argv = ["hsextract", *sys.argv[1:]]
 runpy.run_module("hsextract", run_name="__main__")

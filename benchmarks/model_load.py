@@ -44,8 +44,8 @@ from safetensors.torch import load_file
 
 from gpu_throughput import SEED, build_data, build_model, worker
 
-from hsextract.capture import LayerCapture
-from hsextract.layers import parse_layer_spec
+from hsextract.run.capture import LayerCapture
+from hsextract.run.layers import parse_layer_spec
 
 
 def drop_caches(_model_dir: Path | None = None) -> bool:

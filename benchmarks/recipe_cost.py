@@ -21,7 +21,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from hsextract import tiny
-from hsextract.recipe import PIECE_BYTES, PIECES, recipe_of
+from hsextract.output.recipe import PIECE_BYTES, PIECES, recipe_of
 
 
 def build(model: Path, gb: float, files: int) -> int:

@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsextract.assign import shard_of
-from hsextract.store import LocalStore, scan
+from hsextract.data.assign import shard_of
+from hsextract.store import LocalStore
+from hsextract.output.journal import scan
 from tasks.reconcile import INDEX_NAME, dataset_ids, reconcile_output
 
 

@@ -44,7 +44,7 @@ with torch.device("meta"):
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 lap("32 layers on the meta device")
 from pathlib import Path
-from hsextract.prewarm import standalone_modules
+from hsextract.run.prewarm import standalone_modules
 standalone_modules(Path(sys.argv[1]), torch.device("cuda" if cuda else "cpu"), torch.bfloat16)
 lap("the tuning thread's modules")
 """

@@ -13,7 +13,7 @@ import time
 import torch
 
 from gpu_throughput import nonfinite_only
-from hsextract.extract import ShardRun
+from hsextract.run.extract import ShardRun
 
 
 def three_passes(batch, states: dict, layers: int) -> tuple[torch.Tensor, torch.Tensor]:

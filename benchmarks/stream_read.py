@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from hsextract.batchfile import write_batch
-from hsextract.stream import HiddenStatesStream
+from hsextract.output.batchfile import write_batch
+from hsextract.training.stream import HiddenStatesStream
 
 
 def build(out: Path, files: int, tokens_per_file: int, layers: int, hidden: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Verified upload (hsextract.upload.upload_verified) vs plain boto3 upload_file, same files, same endpoint.
+"""Verified upload (hsextract.output.upload.upload_verified) vs plain boto3 upload_file, same files, same endpoint.
 
     .venv/bin/python benchmarks/upload_throughput.py [--files 16] [--mb 24] [--endpoint URL]
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from hsextract.store import s3_client
-from hsextract.upload import upload_verified
+from hsextract.output.upload import upload_verified
 
 PART = 8 << 20
 

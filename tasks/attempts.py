@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from hsextract.journal import shard_dir_name
+from hsextract.output.journal import shard_dir_name
 from hsextract.store import Store
 
 from .failures import one_line

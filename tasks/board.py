@@ -298,11 +298,11 @@ class Board:
     def _emit(self, state: str, row: dict, reason: str, payload: dict) -> None:
         facts = one_line(reason, 120) if state in ("failed", "capped") else \
             (f"{row['samples']} samples" if row["samples"] != "-" else one_line(reason, 120))
-        resource = {"prefect.resource.id": f"hsextract.shard.{run_key(self.run)}.{row['shard']}",
+        resource = {"prefect.resource.id": f"hsextract.run.shard.{run_key(self.run)}.{row['shard']}",
                     "prefect.resource.name": f"{self.run} shard {row['shard']}/{self.num_shards}"
                                              + (f" on {row['host']}" if row["host"] else "") + f": {state}"
                                              + (f", {facts}" if facts else ""),
-                    "hsextract.run": self.run, "hsextract.shard": str(row["shard"]),
+                    "hsextract.run": self.run, "hsextract.run.shard": str(row["shard"]),
                     "hsextract.host": row["host"] or "", "hsextract.state": state,
                     "hsextract.samples": row["samples"], "hsextract.reason": one_line(reason, 200)}
         body = {"run_name": self.run, "shard": row["shard"], "num_shards": self.num_shards, "host": row["host"],

@@ -93,7 +93,7 @@ def env_check_cmd(python: str, workdir: str, bundle_sha256: str, synthetic: bool
     synthetic workers (no model, no torch) the bundle's synthetic worker itself is what must import."""
     d = bundle_dir(workdir, bundle_sha256)
     if synthetic:
-        code = ("import json, platform, hsextract.synthetic; print('ENV ' + json.dumps({'synthetic': True, "
+        code = ("import json, platform, hsextract.run.synthetic; print('ENV ' + json.dumps({'synthetic': True, "
                 "'python': platform.python_version()}))")
         run = f"PYTHONPATH={quote(d + '/src')}${{PYTHONPATH:+:$PYTHONPATH}} {quote(python)} -c {quote(code)}"
     else:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsextract.errors import CorruptOutput, Retry, UsageError
-from hsextract.journal import OutputState
-from hsextract.layers import parse_layer_spec
 from hsextract.options import WorkerOptions
-from hsextract.recipe import Recipe, RecipeMismatch, describe
-from hsextract.store import NoSuchBucket, Store, open_store, scan
+from hsextract.output.journal import OutputState, scan
+from hsextract.output.recipe import Recipe, RecipeMismatch, describe
+from hsextract.run.layers import parse_layer_spec
+from hsextract.store import NoSuchBucket, Store, open_store
 
 from .attempts import AttemptRecord
 from .bundle import Bundle, build_bundle

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from hsextract.options import WorkerOptions
-from hsextract.quant import fp8_bytes_per_token
+from hsextract.output.quant import fp8_bytes_per_token
 
 from .bundle import Bundle
 from .commands import bundle_dir, facts_cmd, parse_facts, preflight_cmd, quote

@@ -1,6 +1,6 @@
 """Reconcile what landed in the output against the dataset, and seal a complete run.
 
-`reconcile_output` scans the output (`hsextract.store.scan`: every shard journal, and the listing of every
+`reconcile_output` scans the output (`hsextract.output.journal.scan`: every shard journal, and the listing of every
 stored object), then accounts for each of the dataset's sample ids: done (in a stored object whose size and
 checksum match its journal entry), skipped (by reason), or missing; given each record's digest too (with
 `verify`), a stored sample whose record changed under its id since is counted `changed`, and the output is
@@ -12,7 +12,7 @@ write, so two reconcilers cannot both seal one run; the seal names the recipe's 
 (one more than the seal it replaces) and the index's sha256. A seal whose index no longer matches the output
 (a file retracted and redone since) is replaced. The same code serves a local directory and an S3 prefix.
 
-No torch: the dataset's ids come from `hsextract.records`, the same code the worker assigns ids with.
+No torch: the dataset's ids come from `hsextract.data.records`, the same code the worker assigns ids with.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from hsextract.assign import shard_of
-from hsextract.journal import INDEX_NAME, JOURNAL_NAME, SUCCESS_NAME, UNSEALED_NAME, line
-from hsextract.records import iter_digests, iter_ids
-from hsextract.store import Store, scan
+from hsextract.data.assign import shard_of
+from hsextract.data.records import iter_digests, iter_ids
+from hsextract.output.journal import INDEX_NAME, JOURNAL_NAME, SUCCESS_NAME, UNSEALED_NAME, line, scan
+from hsextract.store import Store
 
 
 @dataclass

@@ -18,9 +18,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from hsextract.errors import USAGE_EXIT, Retry
-from hsextract.journal import JOURNAL_NAME, shard_dir_name
-from hsextract.liveness import STOP_KINDS
 from hsextract.options import WorkerOptions
+from hsextract.output.journal import JOURNAL_NAME, shard_dir_name
+from hsextract.run.liveness import STOP_KINDS
 from hsextract.store.s3 import KEY_ENV
 
 from .commands import CREDENTIALS_FILE, Probe, bundle_dir, control_dir, kill_cmd, launch_cmd, parse_probe, quote

@@ -7,7 +7,7 @@
   - `orchestrator:/path` (a file or directory on the machine running the flow): sent over SFTP
     (`Host.append_file`, resuming a partial file where it stopped), then verified on the host
     (`hsextract stage place`).
-Every file lands once in the host's content-addressed cache `<workdir>/inputs` (hsextract.inputcache), checked
+Every file lands once in the host's content-addressed cache `<workdir>/inputs` (hsextract.data.inputcache), checked
 by size and sha256 against the source's manifest; the worker reads the source's view there. A host first
 says what it lacks and how much space it has: one without the space fails before a byte is sent. A file
 already there is not sent again; a partial one resumes.
@@ -28,10 +28,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hsextract.errors import Retry
-from hsextract.inputcache import PRUNE_AFTER_S, Cache
-from hsextract.options import WorkerOptions
-from hsextract.sources import (
+from hsextract.data.inputcache import PRUNE_AFTER_S, Cache
+from hsextract.data.sources import (
     Manifest,
     StageError,
     local_manifest,
@@ -39,6 +37,8 @@ from hsextract.sources import (
     s3_manifest,
     write_s3_manifest,
 )
+from hsextract.errors import Retry
+from hsextract.options import WorkerOptions
 from hsextract.store import in_s3
 
 from .commands import hsextract_cmd, quote

@@ -11,15 +11,15 @@ __all__ = ["__version__", "read_samples", "HiddenStatesDataset", "HiddenStatesSt
 
 def __getattr__(name: str):
     if name in ("read_samples", "HiddenStatesDataset"):
-        from . import reader
+        from hsextract.training import reader
 
         return getattr(reader, name)
     if name == "CorruptOutput":
-        from .errors import CorruptOutput
+        from hsextract.errors import CorruptOutput
 
         return CorruptOutput
     if name == "HiddenStatesStream":
-        from .stream import HiddenStatesStream
+        from hsextract.training.stream import HiddenStatesStream
 
         return HiddenStatesStream
     raise AttributeError(f"module 'hsextract' has no attribute {name!r}")

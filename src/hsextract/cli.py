@@ -9,12 +9,12 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__
-from .errors import USAGE_EXIT, Retry
-from .liveness import Heartbeat, Progress, announce_start
-from .options import EXPORT_FORMATS, WorkerOptions
-from .say import shard_log
-from .store.s3 import KEY_ENV
+from hsextract import __version__
+from hsextract.errors import USAGE_EXIT, Retry
+from hsextract.options import EXPORT_FORMATS, WorkerOptions
+from hsextract.run.liveness import Heartbeat, Progress, announce_start
+from hsextract.say import shard_log
+from hsextract.store.s3 import KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,10 +110,10 @@ def remove_credentials_file(opts: WorkerOptions) -> None:
 
 
 def confine_shard(opts: WorkerOptions):
-    """Landlock: this shard writes beneath its own directories only (see hsextract.confine). Its output dir
+    """Landlock: this shard writes beneath its own directories only (see hsextract.run.confine). Its output dir
     (with s3://, its spool) and status dir are made first; the dirs that hold the other shards' are never
     writable: the output root, and the parent of the status dir when the orchestrator gave one."""
-    from .confine import confine
+    from hsextract.run.confine import confine
 
     own = [opts.out_dir if opts.upload else opts.shard_dir, opts.status_path]
     with contextlib.suppress(OSError):  # one that cannot be made is reported by the checks that follow
@@ -151,8 +151,8 @@ def _extract(opts: WorkerOptions, capture) -> int:
     except ValueError as exc:
         print(f"hsextract: {exc}", file=sys.stderr)
         return USAGE_EXIT
-    from .errors import BUSY_EXIT, ShardBusy
-    from .shard import take_lock
+    from hsextract.errors import BUSY_EXIT, ShardBusy
+    from hsextract.run.shard import take_lock
 
     try:  # before anything of this worker's is written: a second worker of a live shard touches none of its files
         take_lock(opts)
@@ -180,21 +180,21 @@ def _extract(opts: WorkerOptions, capture) -> int:
     heartbeat.progress.phase = "importing"
     heartbeat.start()  # the first heartbeat comes before torch is imported
     if opts.synthetic is not None:
-        from .synthetic import run_synthetic  # no torch
+        from hsextract.run.synthetic import run_synthetic  # no torch
 
         return run_synthetic(opts, heartbeat)
-    from .readahead import start_read_ahead
+    from hsextract.run.readahead import start_read_ahead
 
     read_ahead = start_read_ahead(opts)  # the checkpoint into the page cache while torch and CUDA start
     hide_unused_packages()
-    from .extract import run_shard  # imports torch
+    from hsextract.run.extract import run_shard  # imports torch
 
     return run_shard(opts, heartbeat, capture, read_ahead)
 
 
 def export_command(args) -> int:
     """`hsextract export`: the summary on stdout (also in DEST/export.json); exit 2 naming what is wrong."""
-    from .export import export
+    from hsextract.training.export import export
 
     try:
         summary = export(args.src, args.dest, args.format, args.max_length,
@@ -215,7 +215,7 @@ def export_command(args) -> int:
 def fsck_command(args) -> int:
     """`hsextract fsck`: every problem, one a line, then what was repaired; exit 0 clean, 1 problems (left), 2 the
     output cannot be read."""
-    from .fsck import fsck
+    from hsextract.output.fsck import fsck
 
     try:
         found = fsck(args.out, repair=args.repair, verify=args.verify)
@@ -238,7 +238,7 @@ def fsck_command(args) -> int:
 def stage_command(args) -> int:
     """`hsextract stage`: prints `STAGE {json}`; exit 2 naming the file when a source is not what it should be,
     exit 1 when the store did not answer (after boto3's own retries)."""
-    from . import inputcache, sources
+    from hsextract.data import inputcache, sources
 
     if args.aws_credentials_file is not None:
         for name in KEY_ENV:
@@ -260,7 +260,7 @@ def stage_command(args) -> int:
             out = [{**cache.status(m), "offsets": cache.offsets(m)} for m in manifests]
         else:
             if args.action == "fetch":
-                from .store import s3_client
+                from hsextract.store import s3_client
 
                 fetched = cache.fetch(s3_client(args.s3_endpoint), manifests, args.host, args.threads,
                                       args.part_mib << 20)
@@ -288,13 +288,13 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
     if args.command == "extract":
         return extract(WorkerOptions.from_args(args), capture)
     if args.command == "check":
-        from .preflight import preflight
+        from hsextract.run.preflight import preflight
 
         opts = WorkerOptions.from_args(args)
         use_credentials_file(opts)
         try:
             if args.report:
-                from .preflight import report
+                from hsextract.run.preflight import report
 
                 print("CHECK " + json.dumps(report(opts, args.probe_output, args.sample_tokens)), flush=True)
             else:
@@ -312,11 +312,11 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
     if args.command == "stage":
         return stage_command(args)
     if args.command == "inspect":
-        from .reader import describe_output
+        from hsextract.training.reader import describe_output
 
         print(json.dumps(describe_output(args.out, args.verify)))
         return 0
-    from . import tiny as tiny_assets
+    from hsextract import tiny as tiny_assets
 
     if not (args.model / "config.json").exists():
         tiny_assets.build_model(args.model, kind="qwen3_5_text")

@@ -15,14 +15,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
-from .journal import shard_dir_name
-from .store import local_dir
+from hsextract.errors import UsageError
+from hsextract.output.journal import shard_dir_name
+from hsextract.store import local_dir
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 OUT_DTYPES = ("auto", "fp8_e4m3")
 OVERLONG_POLICIES = ("skip", "truncate")
-#: `hsextract export --format` (the export contract; hsextract.export writes them)
+#: `hsextract export --format` (the export contract; hsextract.training.export writes them)
 EXPORT_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
 UPLOAD_FROM = ("disk", "memory")
 KERNEL_CHOICES = ("default", "fused")
@@ -267,7 +267,7 @@ class WorkerOptions:
     def check_inputs(self) -> None:
         """`check()`, then that the dataset exists (the model is checked when its config is read)."""
         self.check()
-        from .inputs import dataset_files
+        from hsextract.data.inputs import dataset_files
 
         dataset_files(self.data)  # a file or directory of a format inputs.py reads, else UsageError naming it
 

@@ -29,7 +29,7 @@ def faulty_capture(*args, **kwargs):
     """A `LayerCapture` whose `run` holds, runs out of memory or fails as the environment says."""
     import torch
 
-    from hsextract.capture import LayerCapture
+    from hsextract.run.capture import LayerCapture
 
     class FaultyCapture(LayerCapture):
         def run(self, input_ids: list[list[int]]):

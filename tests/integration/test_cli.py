@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hsextract
-from hsextract.liveness import EXIT_NAME, HEARTBEAT_NAME
+from hsextract.run.liveness import EXIT_NAME, HEARTBEAT_NAME
 
 from harness.worker import extract_cmd, run_extract, summary_of
 

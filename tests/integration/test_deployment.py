@@ -20,7 +20,7 @@ import pytest
 
 import hsextract
 from hsextract import tiny
-from hsextract.layers import dflash_layer_ids
+from hsextract.run.layers import dflash_layer_ids
 
 from harness import faulty
 from harness.inventory import write_inventory

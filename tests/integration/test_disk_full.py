@@ -11,7 +11,7 @@ import pytest
 
 import hsextract
 from hsextract.store import sha256_file
-from hsextract.journal import read_entries
+from hsextract.output.journal import read_entries
 
 from harness.worker import dataset_ids, run_extract, summary_of
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import hsextract
 from hsextract import tiny
-from hsextract.batchfile import BatchFile
+from hsextract.output.batchfile import BatchFile
 
 from harness.worker import dataset_ids, run_extract, summary_of
 
@@ -106,7 +106,7 @@ def test_masks_made_once_give_the_models_own_states(tiny_model):
     """The worker's forward passes the hybrid's masks made once (no host sync per batch): a padded batch's
     states are bit-identical to the model's own masks'; an eager-attention model, which needs a real causal
     mask, keeps making its own."""
-    from hsextract.capture import LayerCapture, _masks_made_once
+    from hsextract.run.capture import LayerCapture, _masks_made_once
 
     capture = LayerCapture(tiny_model, [1, 3], False, "cpu", torch.float32)
     assert capture.settle_masks() and capture.masks == {"full_attention": None, "linear_attention": None}

@@ -7,8 +7,8 @@ import json
 import torch
 
 import hsextract
-from hsextract.batchfile import BatchFile
-from hsextract.quant import FP8_ENCODING, dequantize, quantize
+from hsextract.output.batchfile import BatchFile
+from hsextract.output.quant import FP8_ENCODING, dequantize, quantize
 
 from harness.worker import run_extract, summary_of
 

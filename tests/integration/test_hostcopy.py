@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hsextract.capture import LayerCapture
-from hsextract.chat import Tokenized
-from hsextract.extract import ShardRun
-from hsextract.layers import parse_layer_spec
-from hsextract.liveness import Progress
+from hsextract.run.capture import LayerCapture
+from hsextract.data.chat import Tokenized
+from hsextract.run.extract import ShardRun
+from hsextract.run.layers import parse_layer_spec
+from hsextract.run.liveness import Progress
 from hsextract.options import WorkerOptions
-from hsextract.hostcopy import ALIGN, copier_plan
-from hsextract.writer import BAD_KEY, STATS_KEY
+from hsextract.run.hostcopy import ALIGN, copier_plan
+from hsextract.run.writer import BAD_KEY, STATS_KEY
 
 BUDGET = 96
 
@@ -61,7 +61,7 @@ def test_the_fla_convolution_is_used_only_where_it_can_run(tiny_model):
     import importlib.util
     import sys
 
-    from hsextract.kernels import CONV_NAME, use_fla_conv
+    from hsextract.run.kernels import CONV_NAME, use_fla_conv
 
     capture = LayerCapture(tiny_model, [1, 3], False, "cpu", torch.float32)
     owner = sys.modules[type(capture.backbone.layers[0].linear_attn).__module__]
@@ -76,7 +76,7 @@ def test_warm_up_runs_the_linear_attention_once_per_batch_size_a_run_can_meet(ti
     """The worker calls it on CUDA before the first batch (kernels that autotune per batch size tune then):
     every bucketed size up to budget // 16, random input within the budget, the hybrid's one GDN module type;
     then the masks' test batch (`settle_masks`, two forwards of the whole stack) at a shape it just warmed."""
-    from hsextract.batching import batch_size_buckets
+    from hsextract.run.batching import batch_size_buckets
 
     capture = LayerCapture(tiny_model, [1, 3], False, "cpu", torch.float32)
     seen = []

@@ -1,4 +1,4 @@
-"""Datasets in the formats users keep them in (hsextract/inputs.py): the same records and the same sample ids from
+"""Datasets in the formats users keep them in (hsextract/data/inputs.py): the same records and the same sample ids from
 JSONL (plain, .gz, .zst), Parquet (a file, a directory of files) and a `datasets` save_to_disk directory; and bad
 input named by file and row."""
 
@@ -16,8 +16,8 @@ import pytest
 import zstandard
 
 from hsextract.errors import UsageError
-from hsextract.records import Bad, iter_ids, iter_records
-from hsextract.assign import shard_of
+from hsextract.data.records import Bad, iter_ids, iter_records
+from hsextract.data.assign import shard_of
 
 RECORDS = [
     {"id": "a1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},

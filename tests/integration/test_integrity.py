@@ -12,7 +12,7 @@ import pytest
 
 import hsextract
 from hsextract import tiny
-from hsextract.journal import read_entries
+from hsextract.output.journal import read_entries
 
 from harness.worker import run_extract, summary_of
 
@@ -167,8 +167,8 @@ def test_flipped_or_truncated_bytes_are_refused_by_every_default_reader(tiny_mod
     import subprocess
 
     from hsextract.errors import CorruptOutput
-    from hsextract.reader import HiddenStatesDataset
-    from hsextract.stream import HiddenStatesStream
+    from hsextract.training.reader import HiddenStatesDataset
+    from hsextract.training.stream import HiddenStatesStream
 
     out = tmp_path / "out"
     assert run_extract(tiny_model, data, out, 0, 1, "--token-budget", "256").returncode == 0
@@ -443,7 +443,7 @@ def test_a_dataset_whose_records_changed_under_their_ids_is_refused(tiny_model, 
     assert refused.returncode == 2 and f"{rows[5]['id']} (line 6)" in refused.stderr, refused.stderr
     assert "new output" in refused.stderr and snapshot(out) == before
     # reconcile tells it too: by content with the full check, by ids alone (the default) it cannot
-    from hsextract.records import iter_digests
+    from hsextract.data.records import iter_digests
     from hsextract.store import LocalStore
     from tasks.reconcile import SUCCESS_NAME, UNSEALED_NAME, dataset_ids, reconcile_output
 

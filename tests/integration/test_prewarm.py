@@ -1,4 +1,4 @@
-"""Kernel tuning in child processes while the model loads (hsextract.prewarm): real processes, the tiny hybrid.
+"""Kernel tuning in child processes while the model loads (hsextract.run.prewarm): real processes, the tiny hybrid.
 
 On CPU the linear-attention module runs transformers' PyTorch path (nothing to tune); what is tested here is
 the plumbing the GPU relies on: the children run their share of the sizes on a module built from config.json
@@ -17,7 +17,7 @@ import torch
 import hsextract
 from hsextract.errors import UsageError
 from hsextract.options import WorkerOptions
-from hsextract.prewarm import Prewarm, WarmThread, shares, standalone_modules
+from hsextract.run.prewarm import Prewarm, WarmThread, shares, standalone_modules
 from harness.worker import run_extract, summary_of
 
 
@@ -35,7 +35,7 @@ def test_a_child_builds_the_linear_attention_from_the_config_alone(tiny_model, t
     modules, hidden = standalone_modules(bare, torch.device("cpu"), torch.float32)
     assert [type(m).__name__ for m in modules] == ["Qwen3_5GatedDeltaNet"] and hidden == 64
     assert all(p.device.type == "cpu" and torch.isfinite(p).all() for m in modules for p in m.parameters())
-    out = subprocess.run([sys.executable, "-m", "hsextract.prewarm", "--model", str(bare), "--device", "cpu",
+    out = subprocess.run([sys.executable, "-m", "hsextract.run.prewarm", "--model", str(bare), "--device", "cpu",
                           "--dtype", "float32", "--token-budget", "512", "--sizes", "1,3,32"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -47,7 +47,7 @@ def test_the_others_wait_for_the_first_childs_signal_or_its_end(tiny_model, tmp_
     ready = tmp_path / "ready"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        waiter = subprocess.Popen([sys.executable, "-m", "hsextract.prewarm", "--model", str(tiny_model), "--device",
+        waiter = subprocess.Popen([sys.executable, "-m", "hsextract.run.prewarm", "--model", str(tiny_model), "--device",
                                    "cpu", "--dtype", "float32", "--token-budget", "64", "--sizes", "2",
                                    "--after", str(ready), "--after-pid", str(holder.pid)],
                                   stdout=subprocess.PIPE, text=True)
@@ -57,7 +57,7 @@ def test_the_others_wait_for_the_first_childs_signal_or_its_end(tiny_model, tmp_
         out, _ = waiter.communicate(timeout=60)
         assert waiter.returncode == 0 and "for 1 batch sizes" in out
         # a first child that dies without signalling releases them too
-        waiter = subprocess.Popen([sys.executable, "-m", "hsextract.prewarm", "--model", str(tiny_model), "--device",
+        waiter = subprocess.Popen([sys.executable, "-m", "hsextract.run.prewarm", "--model", str(tiny_model), "--device",
                                    "cpu", "--dtype", "float32", "--token-budget", "64", "--sizes", "2",
                                    "--after", str(tmp_path / "never"), "--after-pid", str(holder.pid)],
                                   stdout=subprocess.PIPE, text=True)
@@ -135,7 +135,7 @@ def test_the_thread_beside_the_load_runs_every_size_and_stops_when_told(tiny_mod
 def test_the_cuda_start_thread_hands_its_error_to_the_worker_s_thread():
     """`CudaStart` makes the context on a thread; off CUDA it does nothing, and what the thread raised (here: no
     GPU on this machine) is raised by `wait` on the worker's thread, as the load would have raised it."""
-    from hsextract.extract import CudaStart
+    from hsextract.run.extract import CudaStart
 
     assert CudaStart("cpu").wait() is None
     if torch.cuda.is_available():

@@ -13,8 +13,8 @@ from harness.worker import dataset_ids, run_extract, summary_of
 from hsextract.store import LocalStore
 from tasks.reconcile import INDEX_NAME, SUCCESS_NAME, dataset_ids as ids_of, reconcile_output
 
-from hsextract.reader import read_samples
-from hsextract.assign import shard_of
+from hsextract.training.reader import read_samples
+from hsextract.data.assign import shard_of
 
 
 @pytest.fixture(scope="module")

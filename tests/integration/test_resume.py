@@ -11,8 +11,8 @@ import pytest
 
 import hsextract
 from hsextract import tiny
-from hsextract.journal import read_entries
-from hsextract.store import scan
+from hsextract.output.journal import read_entries
+from hsextract.output.journal import scan
 
 from harness.worker import dataset_ids, extract_cmd, run_extract, summary_of
 

@@ -101,8 +101,8 @@ def test_upload_errors_past_retries_fail_the_shard_naming_s3(tmp_path, tiny_mode
 def test_a_retraction_in_the_store_reaches_a_host_whose_journal_is_ahead(tmp_path, s3):
     """Reconcile appends `lost` to the store's journal; a host that has more entries than the store keeps
     its own journal and takes the retraction too (otherwise the lost samples would never be redone)."""
-    from hsextract.store import scan
-    from hsextract.upload import fetch_journals
+    from hsextract.output.journal import scan
+    from hsextract.output.upload import fetch_journals
 
     client, bucket = s3
     file_a = {"kind": "file", "file": "batch-000001-a.safetensors", "ids": ["a"], "tokens": 3, "bytes": 9,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import hsextract
 from hsextract import tiny
-from hsextract.journal import read_entries
+from hsextract.output.journal import read_entries
 
 from harness import faulty
 from harness.worker import run_extract, summary_of
@@ -123,7 +123,7 @@ def test_oom_splits_batch_and_skips_only_what_cannot_fit(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = summary_of(proc)
     assert summary["skipped"] == {"oom": 1}
-    from hsextract.batchfile import BatchFile
+    from hsextract.output.batchfile import BatchFile
 
     sizes = [len(BatchFile(p)) for p in out.glob("shard-*/batch-*.safetensors")]
     assert sum(sizes) == 8 and max(sizes) == 2, f"halved until each batch fits 100 padded tokens: {sizes}"

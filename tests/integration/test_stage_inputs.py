@@ -1,4 +1,4 @@
-"""Staging a run's inputs onto real sshd hosts (tasks/stage.py, hsextract/sources.py): from a real S3 endpoint
+"""Staging a run's inputs onto real sshd hosts (tasks/stage.py, hsextract/data/sources.py): from a real S3 endpoint
 (moto, reached from each host's network namespace) and from the orchestrator over SFTP; every file verified by
 size and sha256; nothing sent twice; a partial file resumed; and each kind of bad input named before a byte is
 sent or any GPU work, with a corrected re-run picking up where staging stopped."""
@@ -19,9 +19,9 @@ from harness.fleet import s3_for
 from harness.inventory import ssh_host_entry, write_inventory
 from hsextract import tiny
 from hsextract.errors import Retry
-from hsextract.inputcache import Cache
-from hsextract.records import iter_ids
-from hsextract.sources import Manifest, local_manifest, manifest_uri
+from hsextract.data.inputcache import Cache
+from hsextract.data.records import iter_ids
+from hsextract.data.sources import Manifest, local_manifest, manifest_uri
 from tasks.bundle import build_bundle
 from tasks.credentials import S3Access
 from tasks.deploy import deploy_host

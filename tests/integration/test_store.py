@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from hsextract.journal import line
-from hsextract.store import LocalStore, NoSuchBucket, S3Store, open_store, scan
+from hsextract.output.journal import line
+from hsextract.store import LocalStore, NoSuchBucket, S3Store, open_store
+from hsextract.output.journal import scan
 
 
 @pytest.fixture(params=["local", "s3"])

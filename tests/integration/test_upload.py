@@ -10,7 +10,7 @@ from harness.worker import run_extract
 from harness.s3proxy import FaultProxy
 
 from hsextract.store import s3_client
-from hsextract.upload import CorruptFile, upload_verified
+from hsextract.output.upload import CorruptFile, upload_verified
 
 PART = 5 << 20  # S3's smallest part size
 

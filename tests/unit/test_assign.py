@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from hsextract.assign import shard_of
+from hsextract.data.assign import shard_of
 
 IDS = [f"s{n:06d}" for n in range(10_000)]
 
@@ -51,7 +51,7 @@ def test_same_in_another_process_with_other_hash_seed(hash_seed):
     """Hosts run separate processes: the assignment must not depend on PYTHONHASHSEED or process state."""
     sample = IDS[:200] + ["", "ünïcødé", "sha256-0123456789abcdef01234567"]
     code = (
-        "import json,sys; from hsextract.assign import shard_of; "
+        "import json,sys; from hsextract.data.assign import shard_of; "
         "ids=json.load(sys.stdin); print(json.dumps([shard_of(i, 8) for i in ids]))"
     )
     out = subprocess.run(

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from hsextract.batchfile import DTYPE_NAMES, build_payload, write_batch
-from hsextract.payload import write_unsealed
+from hsextract.output.batchfile import DTYPE_NAMES, build_payload, write_batch
+from hsextract.output.payload import write_unsealed
 
 
 def every_dtype() -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ def test_unsealed_file_is_not_in_place_until_sealed(tmp_path):
 
 
 def test_views_of_a_downloaded_batch_equal_safetensors_load_without_copying():
-    from hsextract.batchfile import LoadedBatch
+    from hsextract.output.batchfile import LoadedBatch
 
     tensors = {**every_dtype(), "cu_seqlens": torch.tensor([0, 3], dtype=torch.int64)}
     data = bytearray(build_payload(tensors, {"sample_ids": '["a"]'}).tobytes())
@@ -96,7 +96,7 @@ def test_views_of_a_downloaded_batch_equal_safetensors_load_without_copying():
 
 
 def test_a_mapped_file_and_shared_memory_give_views_of_one_storage(tmp_path):
-    from hsextract.batchfile import LoadedBatch, shared_memory
+    from hsextract.output.batchfile import LoadedBatch, shared_memory
 
     tensors = {**every_dtype(), "cu_seqlens": torch.tensor([0, 3], dtype=torch.int64)}
     path = tmp_path / "b.safetensors"
@@ -118,7 +118,7 @@ def test_a_mapped_file_and_shared_memory_give_views_of_one_storage(tmp_path):
 
 def test_the_torch_free_layout_makes_the_same_file_from_raw_bytes():
     """The synthetic worker (no torch) lays files out from buffers: byte for byte the file torch's path makes."""
-    from hsextract.payload import TensorBytes, layout
+    from hsextract.output.payload import TensorBytes, layout
 
     tensors = every_dtype()
     want = build_payload(tensors, {"k": "v"})

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hsextract.batching import pack, padded_tokens
+from hsextract.run.batching import pack, padded_tokens
 
 
 def samples_of(lengths):
@@ -102,7 +102,7 @@ def test_padding_waste_under_2_percent_on_realistic_lengths_at_default_window():
 
 def test_batch_sizes_are_bucketed_and_batches_stay_filled():
     """A run meets a few dozen batch sizes (each warmed at start), each batch at least 4/5 of what fits."""
-    from hsextract.batching import batch_size_bucket, batch_size_buckets
+    from hsextract.run.batching import batch_size_bucket, batch_size_buckets
 
     buckets = batch_size_buckets(512)
     assert buckets[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16] and buckets[-1] == 512 and len(buckets) == 32

@@ -226,9 +226,15 @@ def test_ignored_changes_do_not_change_hash(tree: Path):
 def test_real_repository():
     b = build_bundle(REPO)
     assert "src/hsextract/cli.py" in b.files and "pyproject.toml" in b.files
-    bad = [f for f in b.files if f.startswith(("tests/", ".venv/", ".git/")) or "__pycache__" in f]
+    bad = [f for f in b.files if f.startswith(("tests/", ".venv/", ".git/")) or "__pycache__" in f
+           or f.split("/")[0] in (".ruff_cache", ".mypy_cache", ".hypothesis")]
     assert not bad
     assert b.files == sorted(b.files) == bundle_files(REPO)
+    # every module of the worker and the orchestrator goes: a pattern meant for the checkout's top (`/data/`)
+    # must not drop a package directory of the same name (src/hsextract/data/)
+    shipped = subprocess.run(["git", "ls-files", "src", "tasks", "flows", "deployments"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert shipped and not set(shipped) - set(b.files), sorted(set(shipped) - set(b.files))
 
 
 def test_no_torch_import():

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from hsextract import tiny
-from hsextract.chat import ChatEncoder, Rejected, Tokenized, longest_run
-from hsextract.records import Record
+from hsextract.data.chat import ChatEncoder, Rejected, Tokenized, longest_run
+from hsextract.data.records import Record
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_truncate_leaving_one_supervised_token_is_too_few(marker_tok):
 
 
 def test_skip_is_the_default_policy_and_a_huge_text_is_not_tokenized(marker_tok):
-    from hsextract.chat import BYTES_PER_TOKEN
+    from hsextract.data.chat import BYTES_PER_TOKEN
 
     huge = chat([{"role": "user", "content": "ka " * 400}, {"role": "assistant", "content": "lo " * 400}])
     result = encoder(marker_tok, max_length=20).encode(huge)

@@ -1,4 +1,4 @@
-"""Landlock confinement of a worker's writes (hsextract.confine): which dirs, and the kernel really refusing.
+"""Landlock confinement of a worker's writes (hsextract.run.confine): which dirs, and the kernel really refusing.
 
 Restricting is irreversible for a process, so the real checks run in a child interpreter."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hsextract.confine import confine, landlock_abi, writable_dirs
+from hsextract.run.confine import confine, landlock_abi, writable_dirs
 
 
 
@@ -41,7 +41,7 @@ def test_unknown_mode_is_refused():
 CHILD = r"""
 import json, os, subprocess, sys, threading
 from pathlib import Path
-from hsextract.confine import confine
+from hsextract.run.confine import confine
 root = Path(sys.argv[1])
 mode = sys.argv[2]
 done = confine([root / "out/shard-0", root / "runs/shard-0"], [root / "out", root / "runs"], mode)

@@ -39,7 +39,7 @@ def loaded_after_importing(names: list[str]) -> set[str]:
 
 def test_the_worker_loads_no_orchestration_package():
     names = modules("hsextract", ROOT / "src" / "hsextract")
-    assert {"hsextract.extract", "hsextract.store", "hsextract.reader", "hsextract.cli"} <= set(names), names
+    assert {"hsextract.run.extract", "hsextract.store", "hsextract.training.reader", "hsextract.cli"} <= set(names), names
     loaded = loaded_after_importing(names)
     assert "torch" in loaded, "the worker's modules were really imported"
     assert not loaded & ORCHESTRATION, sorted(loaded & ORCHESTRATION)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hsextract.journal import JOURNAL_NAME, Journal, read_entries, shard_dir_name
-from hsextract.store import scan
+from hsextract.output.journal import JOURNAL_NAME, Journal, read_entries, shard_dir_name
+from hsextract.output.journal import scan
 
 
 @pytest.fixture
@@ -195,7 +195,7 @@ def test_lost_entry_retracts_a_file_so_its_samples_are_not_written(shard):
 @pytest.mark.parametrize("name", ["../other/batch-000001.safetensors", "/etc/passwd", ".hidden", "a/b", "", 7,
                                   "x\nbatch"])
 def test_a_journal_may_name_only_plain_files_of_its_own_dir(name):
-    from hsextract.journal import parse_entries
+    from hsextract.output.journal import parse_entries
 
     line = json.dumps({"kind": "file", "file": name, "ids": ["a"], "bytes": 1, "sha256": "0" * 64})
     with pytest.raises(ValueError, match="not a plain file name"):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsextract.upload import spool_marks
-from hsextract.journal import FILE_NAME
+from hsextract.output.upload import spool_marks
+from hsextract.output.journal import FILE_NAME
 from hsextract.store import split_uri
 
 

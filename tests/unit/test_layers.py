@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hsextract.errors import UsageError
-from hsextract.layers import dflash_layer_ids, eagle3_layer_ids, parse_layer_spec
+from hsextract.run.layers import dflash_layer_ids, eagle3_layer_ids, parse_layer_spec
 
 
 def test_dflash_five_draft_layers_on_64():

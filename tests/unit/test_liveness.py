@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hsextract.liveness import EXIT_NAME, HEARTBEAT_NAME, Heartbeat, Progress, announce_start, write_json_atomic
+from hsextract.run.liveness import EXIT_NAME, HEARTBEAT_NAME, Heartbeat, Progress, announce_start, write_json_atomic
 
 
 def read(path):
@@ -86,7 +86,7 @@ def test_startup_milestones_count_from_the_process_start_once_each():
     """`Progress.mark` keeps the first time a milestone is reached, from the process's own start (read from
     /proc: earlier than this module's import); every phase entered is one; a new dict each time, so the
     heartbeat's thread never reads one that changes under it."""
-    from hsextract import liveness
+    from hsextract.run import liveness
 
     assert liveness.PROCESS_START <= liveness.IMPORTED_AT < liveness.PROCESS_START + 120
     assert liveness.process_started_at() == pytest.approx(liveness.PROCESS_START, abs=0.05)

@@ -1,4 +1,4 @@
-"""The weights read beside the imports (hsextract.preload): real safetensors files, a real thread, real models.
+"""The weights read beside the imports (hsextract.run.preload): real safetensors files, a real thread, real models.
 
 On CPU the thread reads straight into the tensors (a GPU's pinned staging and copies are run by
 benchmarks/gpu_correctness.py, which also checks the states equal those of a load from the files, and timed by
@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hsextract import tiny
-from hsextract.capture import LayerCapture
-from hsextract.preload import Preload, plan, start_preload, why_not
-from hsextract.readahead import ReadAhead, weight_files
+from hsextract.run.capture import LayerCapture
+from hsextract.run.preload import Preload, plan, start_preload, why_not
+from hsextract.run.readahead import ReadAhead, weight_files
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.weight", "model.layers.1.mlp.weight",
          "model.layers.2.mlp.weight", "mtp.layers.0.mlp.weight", "model.norm.weight", "lm_head.weight"]

@@ -1,4 +1,4 @@
-"""The checkpoint's read-ahead (hsextract.readahead): real safetensors files, a real thread reading them.
+"""The checkpoint's read-ahead (hsextract.run.readahead): real safetensors files, a real thread reading them.
 
 What it gains on a GPU host (the load finding its weights in the page cache) is measured in
 benchmarks/model_load.py; here: it reads exactly the tensors a load of the kept layers needs, stops when told
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from hsextract.errors import UsageError
 from hsextract.options import WorkerOptions
-from hsextract.readahead import (CHUNK, GAP, READER_SWITCH_S, ReadAhead, needed_ranges, start_read_ahead,
+from hsextract.run.readahead import (CHUNK, GAP, READER_SWITCH_S, ReadAhead, needed_ranges, start_read_ahead,
                                  weight_files)
 
 MIB2 = 2 << 20  # each tensor: 2 MiB of one byte value, so the bytes read say which tensors were read

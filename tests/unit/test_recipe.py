@@ -9,7 +9,7 @@ from argparse import Namespace
 import pytest
 
 from hsextract import tiny
-from hsextract.recipe import Recipe, RecipeMismatch, recipe_of, refuse
+from hsextract.output.recipe import Recipe, RecipeMismatch, recipe_of, refuse
 
 
 def opts(model, **kw):
@@ -89,7 +89,7 @@ def test_random_weights_and_synthetic_runs_say_so(models):
 def test_the_plan_compares_what_it_can_tell_without_the_model(models):
     from dataclasses import replace
 
-    from hsextract.journal import OutputState
+    from hsextract.output.journal import OutputState
     from hsextract.options import WorkerOptions
     from tasks.plan import check_recipe
 

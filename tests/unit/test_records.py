@@ -8,7 +8,7 @@ import re
 import pytest
 
 from hsextract.errors import UsageError
-from hsextract.records import Bad, Record, content_id, iter_records, parse_line
+from hsextract.data.records import Bad, Record, content_id, iter_records, parse_line
 
 
 def line(obj) -> str:
@@ -187,7 +187,7 @@ def test_content_part_with_null_text_is_a_bad_record_not_a_crash():
 
 
 def test_iter_ids_gives_exactly_the_ids_of_iter_records(tmp_path):
-    from hsextract.records import iter_ids
+    from hsextract.data.records import iter_ids
 
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join([

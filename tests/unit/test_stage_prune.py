@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from hsextract.inputcache import Cache
-from hsextract.sources import local_manifest
+from hsextract.data.inputcache import Cache
+from hsextract.data.sources import local_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 DAY = 86400

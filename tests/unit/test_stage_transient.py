@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hsextract.errors import Retry
-from hsextract.inputcache import Cache
-from hsextract.sources import Manifest, SourceFile, StageError
+from hsextract.data.inputcache import Cache
+from hsextract.data.sources import Manifest, SourceFile, StageError
 from hsextract.store import s3_client
 
 ROOT = Path(__file__).resolve().parents[2]

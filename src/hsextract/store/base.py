@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from abc import ABC, abstractmethod
@@ -9,10 +10,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HsExtractError
-from ..journal import intact_prefix
+from hsextract.errors import HsExtractError
 
 FILE_MODE = 0o640  # what the product writes: the group may read, others may not
+
+
+
+def intact_prefix(data: bytes) -> bytes:
+    """What of a line log's bytes (a journal's) to keep before appending: every complete line. A last line
+    that lost only its newline is a whole entry (readers return it) and gets the newline back; a torn one is
+    dropped."""
+    keep = data.rfind(b"\n") + 1
+    if keep == len(data):
+        return data
+    try:
+        json.loads(data[keep:])
+    except json.JSONDecodeError:
+        return data[:keep]
+    return data + b"\n"
 
 
 class StoreError(HsExtractError):

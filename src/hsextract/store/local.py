@@ -10,8 +10,7 @@ import os
 import uuid
 from pathlib import Path
 
-from ..journal import repair_tail
-from .base import FILE_MODE, Store, StoredObject
+from hsextract.store.base import FILE_MODE, Store, StoredObject, intact_prefix
 
 
 def sha256_hash(path: Path, chunk: int = 8 << 20):
@@ -52,6 +51,25 @@ def write_atomic(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+
+def repair_tail(path: Path) -> None:
+    """`intact_prefix` applied to a line log file (a journal) in place (truncate, or add the newline), made durable."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    keep = intact_prefix(data)
+    if keep == data:
+        return
+    with path.open("r+b") as handle:
+        if len(keep) < len(data):
+            handle.truncate(len(keep))
+        else:
+            handle.seek(0, os.SEEK_END)
+            handle.write(b"\n")
+        os.fsync(handle.fileno())
 
 
 class LocalStore(Store):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from .base import NoSuchBucket, Store, StoredObject
+from hsextract.store.base import NoSuchBucket, Store, StoredObject
 
 #: what would give S3 keys from the environment instead of a credentials file a worker is handed
 KEY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SECURITY_TOKEN")

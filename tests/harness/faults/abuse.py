@@ -171,7 +171,8 @@ def key_escape(lab: Lab, case: Case) -> Outcome:
 
 
 EVIL = """import json, sys, time
-from hsextract import cli, extract
+from hsextract import cli
+from hsextract.run import extract
 
 real = extract.run_shard
 

@@ -240,7 +240,8 @@ def audit(output: str, ids: list[str], client=None) -> tuple[int, int, int]:
     stored: the reader's samples, checksums verified; duplicated: samples named by more than one journaled
     file that is really there; skipped: samples a journal skipped with a reason (other than a repeated id)."""
     import hsextract
-    from hsextract.store import journal_keys, open_store, scan
+    from hsextract.store import open_store
+    from hsextract.output.journal import journal_keys, scan
 
     state = scan(open_store(output, client))
     copies = Counter(i for shard, entry in state.files if f"{shard}/{entry['file']}" in state.objects

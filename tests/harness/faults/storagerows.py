@@ -133,7 +133,7 @@ def object_deleted(lab: Lab, case: Case) -> Outcome:
 def spool_high_water(lab: Lab, case: Case) -> Outcome:
     """The link is slower than extraction: the spool must stop at its high-water mark (extraction paused, not
     killed as stalled) and the run complete."""
-    from hsextract.journal import parse_entries
+    from hsextract.output.journal import parse_entries
 
     high, low = 512 << 10, 256 << 10
     store = Store(lab, case, bandwidth=100_000)
