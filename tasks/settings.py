@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hsextract.options import CONFINE_MODES, DTYPES, KERNEL_CHOICES, OUT_DTYPES, OVERLONG_POLICIES, UPLOAD_FROM
+from hsextract.options import ConfineMode, Dtype, Kernels, OutDtype, Overlong, UploadFrom
 from hsextract.options import WorkerOptions as W
 
 from .commands import RUN_NAME_PATTERN
@@ -49,12 +49,8 @@ Share = Annotated[float, Field(ge=0, le=1)]
 Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]
 Reasons = Annotated[str, Field(pattern=r"^[a-z_,]*$")]
 Rate = Annotated[float, Field(gt=0)]
-Dtype = Literal[DTYPES]
-OutDtype = Literal[OUT_DTYPES]
-UploadFrom = Literal[UPLOAD_FROM]
-Confine = Literal[CONFINE_MODES]
-Kernels = Literal[KERNEL_CHOICES]
-LongSamples = Literal[OVERLONG_POLICIES]
+Confine = ConfineMode
+LongSamples = Overlong
 Preflight = Literal["off", "first", "only"]
 
 

@@ -14,20 +14,24 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from hsextract.errors import UsageError
 from hsextract.output.journal import shard_dir_name
 from hsextract.store import local_dir
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-OUT_DTYPES = ("auto", "fp8_e4m3")
-OVERLONG_POLICIES = ("skip", "truncate")
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+OutDtype = Literal["auto", "fp8_e4m3"]
+Overlong = Literal["skip", "truncate"]
+UploadFrom = Literal["disk", "memory"]
+Kernels = Literal["default", "fused"]
+ConfineMode = Literal["auto", "on", "off"]
+DTYPES, OUT_DTYPES, OVERLONG_POLICIES = get_args(Dtype), get_args(OutDtype), get_args(Overlong)
 #: `hsextract export --format` (the export contract; hsextract.training.export writes them)
 EXPORT_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
-UPLOAD_FROM = ("disk", "memory")
-KERNEL_CHOICES = ("default", "fused")
+UPLOAD_FROM, KERNEL_CHOICES = get_args(UploadFrom), get_args(Kernels)
 DEFAULT_KERNELS = KERNEL_CHOICES[0]  # what transformers computes, to the bit
-CONFINE_MODES = ("auto", "on", "off")
+CONFINE_MODES = get_args(ConfineMode)
 PROGRESS_MODES = ("auto", "bar", "log")
 
 
