@@ -15,11 +15,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 from flows.extract import ROOT, extract
 from hsextract.store import open_store
 
-DEMO = dict(layers="dflash:3", token_budget=2048, heartbeat_interval_s=1.0, poll_interval_s=0.5)
+DEMO: dict[str, Any] = dict(layers="dflash:3", token_budget=2048, heartbeat_interval_s=1.0, poll_interval_s=0.5)
 
 
 def hsextract(*args: str) -> dict:
@@ -95,18 +96,19 @@ def served(work: Path, assets: dict, output: str, hosts: str, run_name: str) -> 
             raise SystemExit(f"prefect deployment run extract/qwen failed (rc {proc.returncode}): "
                              f"{last_state_message(run_name)}\nworker log: {work / 'worker.log'}")
         from prefect.artifacts import Artifact
+        from prefect.client.schemas.objects import Artifact as ArtifactResponse
 
         from tasks.board import table_key
 
-        table = Artifact.get(table_key(run_name))
-        rows = json.loads(table.data) if table else []
+        table = cast("ArtifactResponse | None", Artifact.get(table_key(run_name)))  # sync here: not a coroutine
+        rows = json.loads(cast(str, table.data)) if table else []  # a table artifact's data is its JSON text
     summary = {"run_name": run_name, "shards": {str(r["shard"]): r["state"] for r in rows}}
     try:  # the reconcile's summary, written when complete
         summary["reconcile"] = json.loads(open_store(output).read("_SUCCESS"))
     except FileNotFoundError:
         summary["reconcile"] = {}
     ui = env["PREFECT_API_URL"].removesuffix("/api")
-    pids = " ".join(str(p) for p in ([server.process.pid] if server else []) + [worker.pid])
+    pids = " ".join(str(p) for p in ([server.process.pid] if server and server.process else []) + [worker.pid])
     return summary, (f"UI: {ui}  (flow runs, the shard table and progress artifacts, events)\n"
                      f"server and worker keep running (pids {pids}); stop them with:  kill {pids}")
 
@@ -120,7 +122,8 @@ def last_state_message(run_name: str) -> str:
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_name}"])),
                                      sort=FlowRunSort.START_TIME_DESC, limit=1)
-    return (runs[0].state.message or runs[0].state.name) if runs and runs[0].state else "no flow run found"
+    # a state's name is always set (Prefect fills it from its type), though typed optional
+    return cast(str, runs[0].state.message or runs[0].state.name) if runs and runs[0].state else "no flow run found"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import json
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, cast
 
 from flows.extract import PARAMETERS, ROOT, extract
 from tasks.rerun import RERUN_EVENT
@@ -74,10 +75,13 @@ def ensure_pool(name: str) -> None:
 def register_deployments(parameters: dict, pool: str, rerun_every: timedelta | None, env: dict | None = None,
                          source: Path = ROOT) -> dict[str, str]:
     """Apply `extract/qwen`, `extract/qwen-rerun` and `extract/qwen-preflight`; returns {name: deployment id}."""
+    from prefect import Flow
     from prefect import flow as prefect_flow
     from prefect.schedules import Interval
 
-    loaded = prefect_flow.from_source(source=str(source), entrypoint="flows/extract.py:extract")
+    # Prefect's sync/async dispatch types from_source, to_deployment and apply as maybe coroutines: called here,
+    # outside an event loop, they return the flow, the deployment and its id
+    loaded = cast(Flow, prefect_flow.from_source(source=str(source), entrypoint="flows/extract.py:extract"))
     job = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S), **(env or {})}}
     ids = {}
     specs = [("qwen", None, "Qwen3.6-27B DFlash hidden states: run the shards that are not complete yet"),
@@ -88,13 +92,13 @@ def register_deployments(parameters: dict, pool: str, rerun_every: timedelta | N
               "nothing")]
     for name, every, description in specs:
         given = {**parameters, "preflight": "only"} if name == "qwen-preflight" else parameters
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if every is not None:
             kwargs["schedules"] = [Interval(every, active=rerun_every is not None, slug=f"{name}-every")]
         deployment = loaded.to_deployment(name=name, parameters=given, work_pool_name=pool,
                                           job_variables=job, tags=[TAG], description=description,
                                           enforce_parameter_schema=True, **kwargs)
-        ids[name] = str(deployment.apply(work_pool_name=pool))
+        ids[name] = str(deployment.apply(work_pool_name=pool))  # type: ignore[union-attr]  # sync: see above
     return ids
 
 
@@ -171,7 +175,7 @@ def register_automations(rerun_delay: timedelta = timedelta(0), zombie_after: ti
     for automation in automations(rerun_delay, zombie_after):
         existing = Automation.read(name=automation.name) if _exists(automation.name) else None
         if existing is not None:
-            existing.delete()
+            existing.delete()  # type: ignore[attr-defined]  # Prefect types read() async only; sync here: an Automation
         ids[automation.name] = str(automation.create().id)
     return ids
 

@@ -13,8 +13,10 @@ import inspect
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 from prefect import flow, get_run_logger
+from prefect.states import State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from hsextract.errors import Retry
@@ -92,8 +94,10 @@ def tag_flow_run(run: str) -> None:
         get_run_logger().warning("run %s: flow run not tagged: %s", run, exc)
 
 
-@flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256), validate_parameters=True,
-      flow_run_name=flow_run_name, on_cancellation=[stop_on_cancellation])
+# the ignore: Prefect's @flow is typed for a TaskRunner[PrefectFuture[Any]], an invariant generic that its own
+# ThreadPoolTaskRunner (a TaskRunner[PrefectConcurrentFuture[...]]) does not match
+@flow(name="extract", task_runner=ThreadPoolTaskRunner(max_workers=256),  # type: ignore[arg-type]
+      validate_parameters=True, flow_run_name=flow_run_name, on_cancellation=[stop_on_cancellation])
 def extract(
     model: NonEmpty,
     data: NonEmpty,
@@ -174,7 +178,8 @@ def extract(
         from flows.preflight import PREFLIGHT_PARAMETERS
         from flows.preflight import preflight as preflight_flow
 
-        checked = preflight_flow(**settings.flat(PREFLIGHT_PARAMETERS), return_state=True)
+        # a sync flow called with return_state=True returns its State (Prefect's overloads also allow an Awaitable)
+        checked = cast(State, preflight_flow(**settings.flat(PREFLIGHT_PARAMETERS), return_state=True))
         if preflight == "only" or not checked.is_completed():  # this run ends as its preflight did
             from prefect.states import Completed, Failed
 

@@ -64,7 +64,10 @@ def check_one(host_name: str, inventory, bundle, version: str, options, access, 
     return report
 
 
-@flow(name="preflight", task_runner=ThreadPoolTaskRunner(max_workers=64), validate_parameters=True)
+# the ignore: Prefect's @flow is typed for a TaskRunner[PrefectFuture[Any]], an invariant generic that its own
+# ThreadPoolTaskRunner (a TaskRunner[PrefectConcurrentFuture[...]]) does not match
+@flow(name="preflight", task_runner=ThreadPoolTaskRunner(max_workers=64),  # type: ignore[arg-type]
+      validate_parameters=True)
 def preflight(
     model: NonEmpty,
     data: NonEmpty,

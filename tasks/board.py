@@ -24,6 +24,8 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import cast
+from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.artifacts import (
@@ -86,7 +88,7 @@ class Row:
     files_uploaded: int = 0
     bytes_uploaded: int = 0
     layer_rms: list | None = None  # per captured layer, the RMS of the states stored so far (from the heartbeat)
-    progress_id: object = None
+    progress_id: UUID | None = None
     progress_at: float = 0.0
     progress_sent: float = -1.0
 
@@ -125,13 +127,13 @@ class Board:
     related: list[dict] = field(default_factory=list)
     uploads: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.rows = {s: Row(s, self.num_shards) for s in self.shards}
         self.progress = RunProgress()
         self.verdict = ""
         self.links: dict[str, str] = {}
         self.hosts_failed: dict[str, str] = {}
-        self._artifacts: dict[str, object] = {}  # key -> id of this flow run's version
+        self._artifacts: dict[str, UUID] = {}  # key -> id of this flow run's version
         self._sent: dict[str, tuple] = {}        # key -> what it holds now
         self._lock = threading.Lock()
         self._dirty = threading.Event()
@@ -230,8 +232,8 @@ class Board:
                       f"{row.samples_done}/{row.samples_total} samples"
         try:
             if row.progress_id is None:
-                row.progress_id = create_progress_artifact(
-                    percent, key=f"progress-{run_key(self.run)}-{row.shard:05d}", description=description)
+                row.progress_id = cast(UUID, create_progress_artifact(  # sync here: the id, not a coroutine
+                    percent, key=f"progress-{run_key(self.run)}-{row.shard:05d}", description=description))
             else:
                 update_progress_artifact(row.progress_id, percent, description=description)
             row.progress_at, row.progress_sent = now, percent
@@ -290,7 +292,7 @@ class Board:
                         data=json.dumps(data) if kind == "table" else data, description=description))
             else:
                 create = create_table_artifact if kind == "table" else create_markdown_artifact
-                self._artifacts[key] = create(data, key=key, description=description)
+                self._artifacts[key] = cast(UUID, create(data, key=key, description=description))  # sync: the id
             self._sent[key] = (data, description)
         except Exception as exc:  # the UI is a view: a failed update never fails the run
             self._log.warning("run %s: artifact %s not published: %s", self.run, key, exc)

@@ -393,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stops = stop_shards(args.hosts, args.output, args.run_name, args.shards, args.why, args.aws_credentials,
                         args.grace)
-    for stop in stops:
-        print(stop.describe())
+    for s in stops:
+        print(s.describe())
     return 1 if any(s.error or s.alive for s in stops) else 0
 
 

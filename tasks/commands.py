@@ -323,7 +323,7 @@ def parse_facts(text: str) -> dict:
         elif line == "NO NVIDIA-SMI":
             facts["smi"] = "nvidia-smi not found"
         elif line == "---GPUS":
-            body = []
+            body: list[str] = []
             for rest in lines[i + 1:]:
                 if rest.startswith("---END"):
                     if rest.split()[-1] != "0":

@@ -88,7 +88,7 @@ def grouped(failures: list[Failure]) -> list[tuple[str, str]]:
             where = ", ".join(m.where for m in members) if is_host else first.where
         else:
             hosts = sorted({m.host for m in members if m.host})
-            where = (f"shards {shard_list([m.shard for m in members])} of {first.num_shards}"
+            where = (f"shards {shard_list([m.shard for m in members if m.shard is not None])} of {first.num_shards}"
                      + (f" on {', '.join(hosts)}" if hosts else ""))
         lines.append((where, first.why))
     return lines

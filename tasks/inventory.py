@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 LOCAL_HOSTNAME = "local"
 
@@ -115,7 +116,7 @@ def parse_inventory(text: str, source: str = "inventory") -> Inventory:
         raise InventoryError(f"{source}: " + "; ".join(_describe(e, raw) for e in exc.errors())) from None
 
 
-def _describe(error: dict, raw: dict) -> str:
+def _describe(error: ErrorDetails, raw: dict) -> str:
     loc = list(error["loc"])
     where = ".".join(str(p) for p in loc)
     if len(loc) >= 2 and loc[0] == "hosts" and isinstance(loc[1], int):

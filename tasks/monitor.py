@@ -152,6 +152,7 @@ class ShardWatch:
         `wait_s`); None on cancel. The host's round trips include this shard from the first call on."""
         if self.seen is None:
             self._start()
+        assert self.seen is not None  # _start set it
         got = self.monitor.next(self.key, self.seen, cancel, wait_s)
         if got is None:
             return None

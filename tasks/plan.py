@@ -13,6 +13,7 @@ import re
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 from hsextract.errors import CorruptOutput, Retry, UsageError
 from hsextract.options import WorkerOptions
@@ -98,7 +99,9 @@ class Plan:
 def worker_version(root: Path = ROOT) -> str:
     """The worker version of the bundle (read from its source: the hosts must print exactly this)."""
     text = (root / "src" / "hsextract" / "__init__.py").read_text()
-    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+    found = re.search(r'__version__ = "([^"]+)"', text)
+    assert found is not None, "no __version__ in src/hsextract/__init__.py"
+    return found.group(1)
 
 
 def resolve_inventory(hosts: str) -> Inventory:
@@ -108,7 +111,7 @@ def resolve_inventory(hosts: str) -> Inventory:
     try:
         from .blocks import HostInventory
 
-        block = HostInventory.load(hosts)
+        block = cast(HostInventory, HostInventory.load(hosts))  # sync here: the block, not a coroutine
     except Exception as exc:
         raise InventoryError(f"hosts={hosts!r}: neither an inventory file nor a HostInventory block ({exc})") from None
     return parse_inventory(block.yaml, f"block {hosts}")

@@ -178,7 +178,7 @@ def _worker_checks(host: Host, report: HostReport, bundle: Bundle, options: Work
     args = replace(options, shard=0, num_shards=1).argv() + ["--report", "--probe-output"]
     if sample_tokens:
         args += ["--sample-tokens", str(sample_tokens)]
-    given = contextlib.nullcontext(([], ""))
+    given: contextlib.AbstractContextManager[tuple[list[str], str]] = contextlib.nullcontext(([], ""))
     if options.upload:
         if access.has_keys:
             host.run(f"mkdir -p {quote(spec.workdir + '/preflight')} && chmod 700 "
@@ -302,8 +302,8 @@ def plan_figures(tokens: int, samples: int, bytes_per_tok: int, gpus: int, rate:
                  options: WorkerOptions, num_shards: int) -> dict:
     """The run in numbers: samples, tokens, output bytes; at `rate` tokens/s per GPU (measured), GPU-hours, wall
     time on `gpus` GPUs, and (S3 output) the request rate: a file per batch, multipart above the part size."""
-    out = {"samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_tok,
-           "output_bytes": tokens * bytes_per_tok, "shards": num_shards, "gpus": gpus}
+    out: dict[str, float] = {"samples": samples, "tokens": tokens, "bytes_per_token": bytes_per_tok,
+                             "output_bytes": tokens * bytes_per_tok, "shards": num_shards, "gpus": gpus}
     file_tokens = options.token_budget
     file_bytes = file_tokens * bytes_per_tok
     out["files"] = math.ceil(tokens / max(1, file_tokens))

@@ -209,7 +209,7 @@ def _locate(state, report: Report):
                                                    f"from the journal's {entry['bytes']} / {entry['sha256']}"))
             continue
         lengths = entry.get("lengths") or [None] * len(entry["ids"])
-        start = 0
+        start: int | None = 0
         for row, (sample_id, length) in enumerate(zip(entry["ids"], lengths)):
             copies[sample_id] += 1
             end = None if length is None or start is None else start + length

@@ -87,7 +87,7 @@ def incomplete(plan: Plan, shards: dict[str, str], failures: dict[str, Failure],
     (none of them done)."""
     launched = [f for f in failures.values() if f.shard is not None and f.shard in plan.todo]
     if failures and same_cause(launched) and not any(v == "done" for v in shards.values()):
-        plan.attempts.forgive([f.shard for f in launched if f.retry is not Retry.NEVER])
+        plan.attempts.forgive([f.shard for f in launched if f.shard is not None and f.retry is not Retry.NEVER])
         failures = {k: replace(f, retry=Retry.NEVER) if f in launched else f for k, f in failures.items()}
     ended = [s for s in plan.requested if shards[str(s)] not in ("done", "done (already complete)")]
     stopped = [s for s in ended if shards[str(s)] in ("stopped", "cancelled")]  # on purpose: not failures

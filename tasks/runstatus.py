@@ -65,7 +65,7 @@ def totals(rows: list[dict]) -> Totals:
 class RunProgress:
     """Samples and tokens done over time: the rate (over RATE_WINDOW_S) and the ETA."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.started = time.monotonic()
         self.points: deque[tuple[float, int, int]] = deque()
 

@@ -212,6 +212,7 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines, watch=None,
                 what = (f"worker pid {pid} exited at once, printing no STARTED line"
                         if not state.started_line else f"worker pid {pid} died without an exit status")
             else:
+                assert state.exit is not None  # `code` was read from it
                 what = f"worker pid {pid} exited with code {code}: {state.exit.get('reason')}"
             raise _failure(job, what + f" (after {elapsed:.1f}s)", watch.detail(state), code=code)
         if elapsed > deadlines.launch_timeout_s:
@@ -225,6 +226,7 @@ def launch_shard(host: Host, job: ShardJob, deadlines: Deadlines, watch=None,
 def _credentials(host: Host, job: ShardJob, deadlines: Deadlines) -> tuple[dict, tuple]:
     """The worker's environment for the run's AWS credentials block (a profile, a region), the keys sent as a
     0600 file the worker is told of, never in argv or the environment: (env, variables to unset)."""
+    clear: tuple[str, ...]
     env, clear = dict(job.env), ()
     if job.aws_credentials:
         access = load_access(job.aws_credentials)
@@ -317,11 +319,12 @@ def _ended(job: ShardJob, launched: Launched, state: Probe, watch) -> dict | Non
     """None while the worker runs; its summary once it exited 0 with a `done` entry; else ShardStopped (it ended
     on a stop request) or ShardFailed (another exit, none at all, or no `done`) raised."""
     code = _exit_code(state)
-    if code is not None and state.exit.get("stop") in STOP_KINDS:
+    if code is not None and state.exit is not None and state.exit.get("stop") in STOP_KINDS:
         raise ShardStopped(state.exit["stop"], f"worker pid {launched.pid} exited with code {code}: "
                                                f"{state.exit.get('reason')}")
     if code is not None:
-        if code == 0 and (state.journal_last or {}).get("kind") == "done":
+        assert state.exit is not None  # `code` was read from it
+        if code == 0 and state.journal_last is not None and state.journal_last.get("kind") == "done":
             return state.journal_last["summary"]
         if code == 0:
             raise _failure(job, "worker exited 0 but its journal has no 'done' entry", watch.detail(state))
@@ -391,6 +394,6 @@ def supervise(job: ShardJob, launched: Launched, inventory: Inventory, deadlines
                 if watch is not None:
                     watch.close()
     except ShardStopped as stopped:
-        return Cancelled(message=str(stopped))
+        return Cancelled(message=str(stopped))  # type: ignore[return-value]  # Prefect: a returned State ends the run
     get_run_logger().info("%s: done: %s", job.label, json.dumps(summary))
     return summary

@@ -52,14 +52,14 @@ def run_shards(plan: Plan, healthy: set[str], board: Board, host_failures: dict[
     driver = Driver(plan, board, first_wave=min(len(todo), len(free)), cancel=cancel, pool=pool)
     outcomes, failures = {}, {}
     active: dict[cf.Future, tuple[ShardJob, tuple[str, int]]] = {}
-    with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as pool:
+    with cf.ThreadPoolExecutor(max_workers=len(free), thread_name_prefix="shard") as executor:
         try:
             while (todo and not driver.cancelled) or active:
                 while todo and free and not driver.cancelled:
                     shard = todo.popleft()
                     slot = take_slot(free, plan.attempts.get(shard).last_failed_host)
                     job = plan.job(slot, shard)
-                    active[pool.submit(contextvars.copy_context().run, driver.drive, job)] = (job, slot)
+                    active[executor.submit(contextvars.copy_context().run, driver.drive, job)] = (job, slot)
                 done, _ = cf.wait(list(active), return_when=cf.FIRST_COMPLETED)
                 for future in done:
                     job, slot = active.pop(future)

@@ -25,8 +25,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, cast
 
 from hsextract.data.inputcache import PRUNE_AFTER_S, Cache
 from hsextract.data.sources import (
@@ -126,10 +128,11 @@ def on_host(options: WorkerOptions, staged: Staged | None) -> WorkerOptions:
     """`options` with the model and dataset a host's workers read: its staged copies, where the run stages them."""
     if staged is None:
         return options
-    return replace(options, **{role: Path(path) for role, path in staged.paths.items()})
+    paths: dict[str, Any] = {role: Path(path) for role, path in staged.paths.items()}  # fields `model`, `data`
+    return replace(options, **paths)
 
 
-def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifests: list[str], extra: list[str] = ()) -> str:
+def _stage_cmd(host: Host, bundle_sha256: str, action: str, manifests: list[str], extra: Sequence[str] = ()) -> str:
     spec = host.spec
     return hsextract_cmd(spec.workdir, bundle_sha256, spec.python,
                          ["stage", action, "--cache", cache_dir(spec.workdir),
@@ -149,8 +152,8 @@ def _prunable(host: Host, bundle_sha256: str, manifests: list[str]) -> int:
     """The bytes `hsextract stage prune` would free in the host's cache, keeping these sources; 0 when the dry run
     fails (it only adds to a message about the space)."""
     try:
-        return _run_stage(host, _stage_cmd(host, bundle_sha256, "prune", manifests, ["--dry-run"]), BASE_TIMEOUT_S,
-                          "a dry run of prune")["bytes"]
+        return cast(dict, _run_stage(host, _stage_cmd(host, bundle_sha256, "prune", manifests, ["--dry-run"]),
+                                     BASE_TIMEOUT_S, "a dry run of prune"))["bytes"]  # prune prints one object
     except (StageFailed, HostError):
         return 0
 
@@ -184,7 +187,7 @@ def stage_host(host: Host, sources: dict[str, Source], bundle_sha256: str, acces
                               + ", ".join(f"{r} {s['missing_bytes']:,}" for r, s in status.items())
                               + f"), which has {free:,} free: nothing sent; {prune}free space there, or give it a "
                               f"workdir on a larger disk", retry=Retry.NEVER)
-        got = {}
+        got: dict[str, dict] = {}
         if s3 := [r for r in roles if sources[r].from_s3]:
             timeout = BASE_TIMEOUT_S + sum(status[r]["missing_bytes"] for r in s3) / MIN_RATE
             tuning = ["--threads", str(threads), "--part-mib", str(part_mib)]
@@ -217,8 +220,9 @@ def _fetch(host: Host, sources: list[Source], bundle_sha256: str, manifests: lis
         extra = [*extra, "--s3-endpoint", access.endpoint_url]
     creds = f"{cache_dir(host.spec.workdir)}/manifests/credentials-{nonce}"
     with access_on(host, access, creds, BASE_TIMEOUT_S) as (args, env):
-        return _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifests, [*extra, *args]), timeout,
-                          " and ".join(s.uri for s in sources))
+        fetched = _run_stage(host, env + _stage_cmd(host, bundle_sha256, "fetch", manifests, [*extra, *args]),
+                             timeout, " and ".join(s.uri for s in sources))
+        return cast(list[dict], fetched)  # fetch prints one object per source
 
 
 def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests: dict[str, str],
@@ -226,8 +230,10 @@ def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests:
     """Send each file the host lacks over SFTP into its partial file (from where the last send stopped), then
     one `hsextract stage place` verifies them there."""
     cache = Cache(cache_dir(host.spec.workdir))
+    files: list[tuple[str | Path, str, int]]  # (local, partial file on the host, offset)
     sent, resumed, total, files = {}, {}, 0, []
     for role, source in sources.items():
+        assert source.local is not None  # only orchestrator: sources are sent
         root = Path(source.local)
         sent[role] = resumed[role] = 0
         for entry in source.manifest.files:

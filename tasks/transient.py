@@ -25,11 +25,11 @@ from hsextract.errors import Retry
 try:  # only to name exception types
     from paramiko import ssh_exception as _pe
 except ImportError:  # pragma: no cover - paramiko is an orchestrate dependency
-    _pe = None  # type: ignore[assignment]
+    _pe = None
 try:
     from invoke import exceptions as _ie
 except ImportError:  # pragma: no cover
-    _ie = None  # type: ignore[assignment]
+    _ie = None  # type: ignore[assignment]  # invoke is typed: _ie is its module; None: not installed
 
 __all__ = ["is_transient", "retry_of", "RULES"]
 

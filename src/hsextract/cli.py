@@ -132,7 +132,7 @@ def hide_unused_packages() -> None:
     """Make `UNUSED_PACKAGES` look not installed to this worker process (an import of one raises ImportError,
     `importlib.util.find_spec` says None), so that transformers does not import them; one imported already stays."""
     for name in UNUSED_PACKAGES:
-        sys.modules.setdefault(name, None)
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]  # None: not importable; typeshed omits it
 
 
 def extract(opts: WorkerOptions, capture=None) -> int:
@@ -244,6 +244,7 @@ def stage_command(args) -> int:
         for name in KEY_ENV:
             os.environ.pop(name, None)
         os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(args.aws_credentials_file)
+    out: dict | list[dict]  # prune's summary, else one entry per manifest
     try:
         manifests = [sources.Manifest.from_json(path.read_text(), str(path)) for path in args.manifest]
         cache = inputcache.Cache(args.cache)

@@ -14,7 +14,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 from hsextract.errors import UsageError
 from hsextract.output.journal import shard_dir_name
@@ -30,7 +30,7 @@ DTYPES, OUT_DTYPES, OVERLONG_POLICIES = get_args(Dtype), get_args(OutDtype), get
 #: `hsextract export --format` (the export contract; hsextract.training.export writes them)
 EXPORT_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
 UPLOAD_FROM, KERNEL_CHOICES = get_args(UploadFrom), get_args(Kernels)
-DEFAULT_KERNELS = KERNEL_CHOICES[0]  # what transformers computes, to the bit
+DEFAULT_KERNELS: Kernels = "default"  # what transformers computes, to the bit
 CONFINE_MODES = get_args(ConfineMode)
 PROGRESS_MODES = ("auto", "bar", "log")
 
@@ -44,32 +44,33 @@ def option(text: str, *, required: bool = False, choices: tuple[str, ...] | None
 class WorkerOptions:
     """The arguments of one shard's worker. Field `token_budget` is the CLI's `--token-budget`."""
 
-    model: Path = field(default=None, metadata=option("local model directory (config, weights, tokenizer)",
-                                                      required=True))
-    data: Path = field(default=None, metadata=option(
+    # model, data, out and layers: None only until given (required=True: the CLI refuses a command without them)
+    model: Path = field(default=cast(Path, None), metadata=option(
+        "local model directory (config, weights, tokenizer)", required=True))
+    data: Path = field(default=cast(Path, None), metadata=option(
         "dataset: JSONL (plain, .gz, .zst), a Parquet file or directory, or a `datasets` save_to_disk directory",
         required=True))
-    out: str = field(default=None, metadata=option("output: a directory, file:// URI or s3://bucket/prefix",
-                                                   required=True))
-    layers: str = field(default=None, metadata=option(
+    out: str = field(default=cast(str, None), metadata=option(
+        "output: a directory, file:// URI or s3://bucket/prefix", required=True))
+    layers: str = field(default=cast(str, None), metadata=option(
         "dflash:N, eagle3, or a list like 1,16,31; SPEC+last adds the last decoder layer", required=True))
     shard: int = field(default=0, metadata=option("this shard's index, 0..num-shards-1", required=True))
     num_shards: int = field(default=1, metadata=option("how many shards the dataset is split into", required=True))
     max_length: int | None = field(default=None, metadata=option(
         "longest sample in tokens (default: the model's own limit, max_position_embeddings; see --overlong)"))
-    overlong: str = field(default="skip", metadata=option(
+    overlong: Overlong = field(default="skip", metadata=option(
         "samples over --max-length: skip them (default, journaled as too_long) or keep their first tokens "
         "(truncate)", choices=OVERLONG_POLICIES))
     token_budget: int = field(default=8192, metadata=option("padded tokens per batch (one file per batch)"))
     sort_window: int = field(default=1024, metadata=option("samples sorted by length together"))
     device: str = field(default="auto", metadata=option("cpu, cuda or cuda:N (default: cuda if available)"))
-    dtype: str = field(default="auto", metadata=option(
+    dtype: Dtype = field(default="auto", metadata=option(
         "auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32"))
-    out_dtype: str = field(default="auto", metadata=option(
+    out_dtype: OutDtype = field(default="auto", metadata=option(
         "stored states: auto (the model's dtype, lossless) or fp8_e4m3 (half of bf16, lossy: a scale per token "
         "and layer; the reader returns bf16)", choices=OUT_DTYPES))
     include_last: bool = field(default=False, metadata=option("also store the final normed hidden state"))
-    kernels: str = field(default=DEFAULT_KERNELS, metadata=option(
+    kernels: Kernels = field(default=DEFAULT_KERNELS, metadata=option(
         "the decoder's GPU kernels: default (the states transformers computes, to the bit) or fused (RMSNorm, "
         "gated RMSNorm and SwiGLU fused, gate and up one matrix product: +21%% at 64 layers of Qwen3.6-27B's "
         "shape on an H100; rounds differently, fp32 inside: the output's recipe records it); CUDA only",
@@ -111,14 +112,14 @@ class WorkerOptions:
     s3_endpoint: str | None = field(default=None, metadata=option(
         "S3-compatible endpoint URL (default: AWS / $AWS_ENDPOINT_URL)"))
     upload_part_mb: int = field(default=64, metadata=option("multipart part size"))
-    upload_from: str = field(default="disk", metadata=option(
+    upload_from: UploadFrom = field(default="disk", metadata=option(
         "with --out s3://...: upload each file after writing it to the spool (default), or straight from "
         "memory, writing to the spool only when --upload-memory-gb is full", choices=UPLOAD_FROM))
     upload_memory_gb: float = field(default=8.0, metadata=option(
         "--upload-from memory: most bytes held in memory waiting for upload"))
     hash_threads: int = field(default=0, metadata=option(
         "batch files hashed (sha256) at once; 0: one per four cores, at most 3"))
-    confine: str = field(default="auto", metadata=option(
+    confine: ConfineMode = field(default="auto", metadata=option(
         "restrict this process's writes to its own shard's directories with Linux Landlock: auto (when the "
         "kernel has it, default), on (fail without it), off", choices=CONFINE_MODES))
     max_skipped: float = field(default=0.01, metadata=option(
@@ -237,13 +238,13 @@ class WorkerOptions:
                 raise UsageError(f"{name} {value}: must be a positive integer")
         if self.max_length is not None and self.max_length < 2:
             raise UsageError(f"--max-length {self.max_length}: must be at least 2")
-        for name, value, allowed in (("--overlong", self.overlong, OVERLONG_POLICIES), ("--dtype", self.dtype, DTYPES),
-                                     ("--out-dtype", self.out_dtype, OUT_DTYPES),
-                                     ("--upload-from", self.upload_from, UPLOAD_FROM),
-                                     ("--confine", self.confine, CONFINE_MODES),
-                                     ("--kernels", self.kernels, KERNEL_CHOICES)):
-            if value not in allowed:
-                raise UsageError(f"{name} {value!r}: choose one of {allowed}")
+        for name, choice, allowed in (("--overlong", self.overlong, OVERLONG_POLICIES), ("--dtype", self.dtype, DTYPES),
+                                      ("--out-dtype", self.out_dtype, OUT_DTYPES),
+                                      ("--upload-from", self.upload_from, UPLOAD_FROM),
+                                      ("--confine", self.confine, CONFINE_MODES),
+                                      ("--kernels", self.kernels, KERNEL_CHOICES)):
+            if choice not in allowed:
+                raise UsageError(f"{name} {choice!r}: choose one of {allowed}")
         if self.upload is not None and not self.upload[5:].split("/")[0]:
             raise UsageError(f"--out {self.upload!r}: expected s3://bucket/prefix")
         if not 0 < self.spool_low_bytes <= self.spool_high_bytes:

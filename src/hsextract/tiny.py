@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -62,12 +63,12 @@ def tiny_config(kind: str, vocab_size: int, num_layers: int = 8, hidden_size: in
     """A tiny transformers config of model family `kind` (random weights are made from it)."""
     from transformers import LlamaConfig, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=8192, pad_token_id=0, eos_token_id=2, tie_word_embeddings=False,
     )
-    hybrid = dict(
+    hybrid: dict[str, Any] = dict(
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         full_attention_interval=4,
     )

@@ -69,8 +69,10 @@ class ChatEncoder:
             ids, mask = record.input_ids, record.loss_mask
             if any(not 0 <= t < self.vocab_size for t in ids):
                 return Rejected(record.id, "invalid_token_id", f"token ids must be in [0, {self.vocab_size})")
+            assert mask is not None  # a pre-tokenized record has both (records.parse_obj)
         else:
             messages = record.messages
+            assert messages is not None  # a record without input_ids has messages (records.parse_obj)
             cap = self.max_length * BYTES_PER_TOKEN if self.max_length is not None else None
             size = text_bytes(messages)
             if cap is not None and size > cap:

@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsextract.data.sources import Manifest, SourceFile, StageError, manifest_uri, split_source
 from hsextract.errors import Retry
@@ -35,6 +36,9 @@ THREADS = 8             # ranged GETs in flight per file
 _READ = 8 << 20
 PRUNE_AFTER_S = 14 * 86400  # `hsextract stage prune`'s default: what no staging used for two weeks
 
+if TYPE_CHECKING:
+    from _hashlib import HASH
+
 
 @dataclass(eq=False)
 class _Fetch:
@@ -45,7 +49,7 @@ class _Fetch:
     key: str
     part: Path
     done: Fetched
-    hash: object = None
+    hash: HASH | None = None  # the sha256 of what its partial file holds (`_resume` starts it)
 
 
 @dataclass
@@ -158,7 +162,9 @@ class Cache:
             for entry in manifest.files:
                 if self.has(entry, manifest.source):
                     done.kept_files += 1
-                    done.digests[entry.path] = self.known(entry, manifest.source)
+                    sha = self.known(entry, manifest.source)
+                    assert sha is not None  # `has` found it
+                    done.digests[entry.path] = sha
                     continue
                 part = self.partial(entry, manifest.source)
                 where = f"{host}: {manifest.source}: {entry.path}"
@@ -220,6 +226,7 @@ class Cache:
         for e in manifest.files:
             dest = tmp / e.path
             dest.parent.mkdir(parents=True, exist_ok=True)
+            assert e.sha256 is not None  # the manifest is complete
             blob = self.blob(e.sha256)
             if not blob.is_file():
                 raise StageError(f"{manifest.source}: {e.path} ({e.sha256[:12]}) is not staged in {self.root}")
@@ -306,7 +313,9 @@ class Cache:
             prefix = key if manifest.kind == "file" else (key.rstrip("/") + "/" if key else "")
             for e in manifest.files:
                 if self.has(e, manifest.source):
-                    done.digests[e.path] = self.known(e, manifest.source)
+                    sha = self.known(e, manifest.source)
+                    assert sha is not None  # `has` found it
+                    done.digests[e.path] = sha
                     done.kept_files += 1
                 else:
                     obj = prefix if manifest.kind == "file" else prefix + e.path
@@ -314,6 +323,7 @@ class Cache:
         if todo:
             self._stream(client, todo, host, threads, part_bytes)
             for f in todo:
+                assert f.hash is not None  # `_resume` started it
                 f.done.digests[f.entry.path] = self._place(f.part, f.entry, f.source, f.hash.hexdigest(), host)
         for done in results:
             done.seconds = round(time.monotonic() - started, 3)
@@ -350,6 +360,7 @@ class Cache:
                             out.close()
                         out, current = open(f.part, "ab", buffering=0), f
                         os.fchmod(out.fileno(), 0o640)
+                    assert out is not None  # opened for the first part (`current` starts None)
                     out.write(data)
                     f.hash.update(data)
                     f.done.sent_bytes += len(data)

@@ -20,6 +20,7 @@ import io
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from hsextract.errors import UsageError
 
@@ -106,7 +107,7 @@ def _jsonl_rows(path: Path, kind: str) -> Iterator[tuple[int, bytes]]:
                          f"({type(exc).__name__}: {exc})") from None
 
 
-def _arrow_batches(root: Path, files: list[Path], kind: str) -> Iterator[tuple[dict, object]]:
+def _arrow_batches(root: Path, files: list[Path], kind: str) -> Iterator[tuple[dict, Any]]:
     """(columns, record batch) of every batch of the Arrow files, in order; every file's columns checked
     against the first's. A file that cannot be read is named with the row reached."""
     try:
@@ -229,7 +230,8 @@ def sample_rows(path: Path, n: int) -> tuple[int, list[tuple[int, bytes | dict]]
     if total <= n:
         return total, list(rows(path))
     if kind == "jsonl":
-        picked, size = [], files[0].stat().st_size
+        picked: list[tuple[int, bytes | dict]] = []
+        size = files[0].stat().st_size
         with files[0].open("rb") as f:
             for i in range(n):
                 f.seek(i * size // n)

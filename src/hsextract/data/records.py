@@ -90,6 +90,7 @@ def iter_ids(path: str | Path) -> Iterator[tuple[str, int]]:
         if isinstance(raw, dict):
             yield record_id(raw), row
             continue
+        assert raw is not None  # a row whose id is not known comes whole (id_rows)
         try:
             obj = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -44,7 +44,8 @@ def build_payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str], ha
             raise ValueError(f"tensor {name!r}: {tensor.dtype} on {tensor.device} cannot go into a batch file")
         tensor = tensor.detach().contiguous()
         data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-        entries.append(TensorBytes(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), data))
+        entries.append(TensorBytes(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape),
+                                   data))  # type: ignore[arg-type]  # numpy stubs: ndarray is a Buffer only on 3.12+
     return layout(entries, metadata, hashed)
 
 
@@ -128,7 +129,7 @@ class BatchFile:
     def sample(self, index: int) -> dict:
         """Sample `index` as the reader contract's record: id, input_ids, loss_mask, hidden_states (bf16 after fp8)."""
         begin, end = self.cu_seqlens[index], self.cu_seqlens[index + 1]
-        out = {"id": self.sample_ids[index]}
+        out: dict = {"id": self.sample_ids[index]}
         names = ["input_ids", "loss_mask", "hidden_states"] + (["last_hidden_state"] if self.has_last else [])
         for name in names:
             out[name] = self._handle.get_slice(name)[begin:end]
@@ -176,7 +177,7 @@ class LoadedBatch:
     def sample(self, index: int) -> dict:
         """Sample `index`, as `BatchFile.sample`."""
         begin, end = self.cu_seqlens[index], self.cu_seqlens[index + 1]
-        out = {"id": self.sample_ids[index]}
+        out: dict = {"id": self.sample_ids[index]}
         for name in ("input_ids", "loss_mask", "hidden_states", "last_hidden_state"):
             if name in self.tensors:
                 out[name] = self.tensors[name][begin:end]

@@ -13,8 +13,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsextract.store import fsync_dir
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 FORMAT_VERSION = "1"
 #: the metadata key of the xxh3-128 (hex) of a batch file's data: every byte after its header
@@ -83,7 +87,7 @@ class TensorBytes:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: object  # bytes, bytearray, memoryview or anything with the buffer protocol; kept alive by the Payload
+    data: Buffer  # bytes, bytearray, memoryview or anything with the buffer protocol; kept alive by the Payload
 
 
 def layout(entries: list[TensorBytes], metadata: dict[str, str], hashed: bool = True) -> Payload:
@@ -93,7 +97,8 @@ def layout(entries: list[TensorBytes], metadata: dict[str, str], hashed: bool = 
     import xxhash
 
     rank = {name: i for i, name in enumerate(DTYPE_ORDER)}
-    header_entries, parts, kept, offset = {}, [], [], 0
+    parts: list[bytes | memoryview] = []  # the header (inserted first, once known), then the tensors' data
+    header_entries, kept, offset = {}, [], 0
     for entry in sorted(entries, key=lambda e: (-ELEMENT_SIZE[e.dtype], -rank[e.dtype], e.name)):
         view = memoryview(entry.data).cast("B")
         size = view.nbytes

@@ -25,6 +25,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import cast
 
 from hsextract.errors import UsageError
 
@@ -128,7 +129,7 @@ def recipe_of(opts, layer_ids: list[int], dtype: str, kernels: str | None = None
     else:
         weights = weights_digest(model)
     transformers = transformers if transformers is not None else _installed("transformers")
-    kernels = kernels or getattr(opts, "kernels", "default")
+    kernels = kernels or cast(str, getattr(opts, "kernels", "default"))
     return Recipe(
         model_config=config_digest(model), weights=weights, tokenizer=tokenizer_digest(model),
         chat_template=chat_template_digest(model), layer_ids=tuple(layer_ids), include_last=bool(opts.include_last),

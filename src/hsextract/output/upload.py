@@ -107,14 +107,14 @@ def upload_verified(client, path: Path | bytes, bucket: str, key: str, journal_s
     multipart = size >= part_size
     if multipart:
         extra = {"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": full}}
-        if in_memory:
+        if not isinstance(path, Path):  # in memory
             client.upload_fileobj(io.BytesIO(path), bucket, key, ExtraArgs=extra,
                                   Config=transfer_config(part_size, concurrency))
         else:
             (transfer or transfer_for(client, part_size, concurrency)).upload_file(str(path), bucket, key,
                                                                                    extra_args=extra)
     else:  # one PUT carrying the sha256 just verified: the store checks the body against it, no re-hash here
-        with (io.BytesIO(path) if in_memory else path.open("rb")) as body:
+        with (path.open("rb") if isinstance(path, Path) else io.BytesIO(path)) as body:
             client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={"sha256": full},
                               ChecksumSHA256=expected_checksum(full, parts, False))
     head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
@@ -125,7 +125,7 @@ def upload_verified(client, path: Path | bytes, bucket: str, key: str, journal_s
         raise UploadMismatch(f"s3://{bucket}/{key}: stored {head['ContentLength']} bytes, checksum {stored or '-'}, "
                              f"metadata sha256 {head.get('Metadata', {}).get('sha256')}; sent {size} bytes, "
                              f"checksum {want}, sha256 {full}")
-    if delete and not in_memory:
+    if delete and isinstance(path, Path):  # not in memory
         path.unlink()
     return Uploaded(key, size, full, max(1, len(parts)) if multipart else 1, stored)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import TypeVar
 
 S = TypeVar("S", bound=Sized)
 
 
-def padded_tokens(batch: list[Sized]) -> int:
+def padded_tokens(batch: Sequence[Sized]) -> int:
     """Tokens a right-padded batch occupies: its longest sample times its size."""
     return max(len(s) for s in batch) * len(batch)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ class LayerCapture:
             torch.manual_seed(random_weights)
             with torch.device(self.device):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            loading = {"missing_keys": []}
+            loading: dict[str, list[str]] = {"missing_keys": []}
         else:
             model, loading = self._load_weights(model_dir, config, dtype, preload)
         missing = [k for k in loading["missing_keys"] if "lm_head" not in k]
@@ -71,7 +71,7 @@ class LayerCapture:
         self.masks: dict | None = None  # the masks every batch gets, made once (`settle_masks`); None: the model's
         self._masks_settled = False
         for slot, layer_id in enumerate(layer_ids):
-            self.backbone.layers[layer_id].register_forward_hook(self._hook(slot))
+            cast(nn.ModuleList, self.backbone.layers)[layer_id].register_forward_hook(self._hook(slot))
 
     def _load_weights(self, model_dir: Path, config, dtype: torch.dtype, preload: Preload | None):
         """The model read from its checkpoint: from the tensors `preload` read to the device while the worker
@@ -83,12 +83,13 @@ class LayerCapture:
         self.load_path = "direct to the device" if direct else "through host memory"
         place = {"device_map": str(self.device)} if direct else {}
         built = _causal_lm_class(config) if preload is not None else None  # None: remote code, say
-        state = preload.tensors() if built is not None else None  # read while the worker imported
+        state = preload.tensors() if preload is not None and built is not None else None  # read beside the imports
         if preload is not None and state is None:
             preload.stop()
         try:
             if state is not None:
                 self.load_path = "read to the device beside the imports"
+                assert built is not None  # `state` is read only where `built` is
                 with _no_allocator_warmup():
                     return built[0].from_pretrained(
                         None, config=built[1], state_dict=state, dtype=dtype, output_loading_info=True, **place)
@@ -239,14 +240,15 @@ def _no_allocator_warmup():
 @contextlib.contextmanager
 def _hooks_off(backbone: nn.Module):
     """The decoder layers' forward hooks (the capture's) set aside: a test forward writes into no batch."""
-    saved = {i: dict(layer._forward_hooks) for i, layer in enumerate(backbone.layers)}
-    for layer in backbone.layers:
+    layers = cast(nn.ModuleList, backbone.layers)
+    saved = {i: dict(layer._forward_hooks) for i, layer in enumerate(layers)}
+    for layer in layers:
         layer._forward_hooks.clear()
     try:
         yield
     finally:
         for i, hooks in saved.items():
-            backbone.layers[i]._forward_hooks.update(hooks)
+            layers[i]._forward_hooks.update(hooks)
 
 
 def _truncate_layers(text_config, keep: int) -> None:

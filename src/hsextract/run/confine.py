@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def _holds_any(path: Path, holds: list[Path]) -> bool:
     return any(hold == path or path in hold.parents for hold in holds)
 
 
-def writable_dirs(own: list[Path], siblings_of: list[Path], env: dict | None = None) -> tuple[list[Path], Path]:
+def writable_dirs(own: list[Path], siblings_of: list[Path],
+                  env: Mapping[str, str] | None = None) -> tuple[list[Path], Path]:
     """(directories to allow writes beneath, the temp directory to use).
 
     `own`: the shard's directories (always allowed, created first). `siblings_of`: directories holding other

@@ -7,9 +7,10 @@ import contextlib
 import json
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -182,7 +183,7 @@ class ShardRun(Shard):
         return Prewarm.start(opts.model, sizes, opts.token_budget, device, dtype, procs, opts.kernels)
 
     def encoded(self, encoder: ChatEncoder, pending: list[Record | Bad],
-                first: list[Tokenized | Rejected] = ()) -> Iterator[Tokenized]:
+                first: Sequence[Tokenized | Rejected] = ()) -> Iterator[Tokenized]:
         """Tokenize the pending records (the first `len(first)` were: `EarlyTokens`); the ones that cannot train
         are journaled as skipped on the way."""
         for i, item in enumerate(pending):
@@ -227,6 +228,7 @@ class ShardRun(Shard):
             self.progress.mark("first_forward")  # queued: on CUDA the device runs it meanwhile
             self.progress.padded_tokens += padded_tokens(part)
             self.progress.tokens_forwarded += sum(len(s) for s in part)
+            assert states is not None  # no out-of-memory: the forward made them
             yield part, states
             states = None
 
@@ -313,7 +315,7 @@ class ShardRun(Shard):
             **({"cuda_start_s": round(self.cuda_start_s, 3)} if self.cuda_start_s is not None else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
             **({"warm_s": round(self.warm_s, 3)} if self.warm_s is not None else {}),
-            **({"tune": {"procs": len(self.prewarm.procs), "seconds": round(self.prewarm.seconds, 3),
+            **({"tune": {"procs": len(self.prewarm.procs), "seconds": round(cast(float, self.prewarm.seconds), 3),
                          "failed": len(self.prewarm.failures),
                          **({"thread": True} if isinstance(self.prewarm, WarmThread) else {})}} if self.prewarm else
                {"tune": {"procs": 0, "tuned_before": True}} if self.tuned_before else {}),
@@ -350,7 +352,7 @@ class ForwardLoopTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spent: Counter = Counter()
+        self.spent: defaultdict[str, float] = defaultdict(float)
         self.pending: collections.deque = collections.deque()  # event pairs not read yet
         self.first = self.last = None  # the first forward's begin, the last one's end
         self.busy_ms = 0.0

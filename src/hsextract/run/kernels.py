@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+from typing import cast
 
 import torch
 from torch import nn
@@ -152,7 +153,7 @@ def grouped_delta_rule(model: nn.Module, device: torch.device) -> list[str]:
     """fla's delta rule given the keys and queries at their own head count (no `repeat_interleave`)."""
     if not _fla_available(device):
         return []
-    modules = [m for m in _gated_delta_modules(model) if m.num_v_heads > m.num_k_heads]
+    modules = [m for m in _gated_delta_modules(model) if cast(int, m.num_v_heads) > cast(int, m.num_k_heads)]
     for module in modules:
         _set_forward(module, _gdn_grouped_forward)
     return [f"{len(modules)} GatedDeltaNet: grouped q/k -> fla"] if modules else []
@@ -193,7 +194,7 @@ def fused_norms(model: nn.Module, device: torch.device) -> list[str]:
             _set_forward(module, _rms_norm_gated_fused)
             gated += 1
         elif name == "Qwen3_5RMSNorm" or name == "Qwen3_5TextRMSNorm" or name == "Qwen3NextRMSNorm":
-            module._hsextract_scale = None
+            module._hsextract_scale = None  # type: ignore[assignment]  # torch: Tensor | Module only; None is fine
             _set_forward(module, _rms_norm_fused)
             plain += 1
     return [f"{plain} RMSNorm, {gated} gated RMSNorm -> fla fused"] if plain or gated else []
@@ -234,9 +235,9 @@ def merged_gate_up(model: nn.Module, device: torch.device) -> list[str]:
         return []
     modules = [m for m in model.modules() if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
                and getattr(getattr(m, "config", None), "hidden_act", None) == "silu"
-               and m.gate_proj.bias is None and m.up_proj.bias is None]
+               and cast(nn.Linear, m.gate_proj).bias is None and cast(nn.Linear, m.up_proj).bias is None]
     for module in modules:
-        gate, up = module.gate_proj.weight, module.up_proj.weight
+        gate, up = cast(nn.Linear, module.gate_proj).weight, cast(nn.Linear, module.up_proj).weight
         if getattr(module, "_hsextract_gate_up", None) is None:
             block = torch.cat([gate.data, up.data])
             half = gate.shape[0]

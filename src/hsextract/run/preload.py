@@ -171,6 +171,7 @@ class Preload:
 
     def _alloc(self, entry: TensorToRead) -> torch.Tensor:
         raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8, device=self.device)
+        assert self._out is not None  # dropped only after the readers ended (`stop`, `tensors` join them first)
         self._out[entry.name] = raw.view(entry.dtype).view(entry.shape)
         return raw
 
@@ -245,7 +246,7 @@ class Preload:
                         at = begin
                         while at < end:
                             buffer = staging[turn]
-                            if cuda:
+                            if copied is not None:  # CUDA
                                 copied[turn].synchronize()  # its previous chunk is on the device
                             got = self._read(fd, path, _writable(buffer, 0, min(self.chunk, end - at)), at)
                             if got is None:
@@ -256,7 +257,7 @@ class Preload:
                                 first += 1
                             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                                 self._scatter(entries, raws, first, buffer, at, got, spots, expected)
-                                if cuda:
+                                if copied is not None:  # CUDA
                                     copied[turn].record(stream)
                             turn ^= 1
                             at += got
@@ -266,7 +267,7 @@ class Preload:
                     os.close(fd)
                 self._check(path, entries, raws, spots, expected, stream)
         finally:
-            if cuda:
+            if stream is not None:  # CUDA
                 stream.synchronize()  # every copy landed (or, stopped, none still reads the pinned buffers)
 
     def _scatter(self, entries: list[TensorToRead], raws: list[torch.Tensor], first: int, buffer: torch.Tensor, at: int,

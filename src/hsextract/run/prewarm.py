@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO, cast
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ MAX_PROCS = 8
 def linear_attention_modules(backbone: nn.Module) -> list[nn.Module]:
     """The first linear-attention module (`layer.linear_attn`) of each kind in a decoder stack."""
     found: dict[type, nn.Module] = {}
-    for layer in backbone.layers:
+    for layer in cast(nn.ModuleList, backbone.layers):
         module = getattr(layer, "linear_attn", None)
         if module is not None:
             found.setdefault(type(module), module)
@@ -135,7 +136,7 @@ def mark_tuned(marker: Path | None) -> None:
 class Prewarm:
     """The child processes tuning kernels for a worker; `wait` says how it went."""
 
-    def __init__(self, procs: list[tuple[list[str], subprocess.Popen, object]], started: float, ready: Path):
+    def __init__(self, procs: list[tuple[list[str], subprocess.Popen, IO[bytes]]], started: float, ready: Path):
         self.procs = procs
         self.started = started
         self.ready = ready  # the first child's signal file, in a directory of its own
@@ -150,7 +151,7 @@ class Prewarm:
         package_root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                                            if p)}
-        children = []
+        children: list[tuple[list[str], subprocess.Popen, IO[bytes]]] = []
         ready = Path(tempfile.mkdtemp(prefix="hsextract-tune-")) / "first-size-done"
         for share in shares(sizes, procs):
             cmd = [sys.executable, "-m", "hsextract.run.prewarm", "--model", str(model_dir), "--device", str(device),
@@ -222,9 +223,9 @@ class WarmThread:
     @classmethod
     def start(cls, model_dir: Path, sizes: list[int], token_budget: int, device: str,
               dtype: torch.dtype, kernels: str = DEFAULT_KERNELS) -> WarmThread:
-        device = torch.device(device)
-        modules, hidden_size = standalone_modules(model_dir, device, dtype, kernels)
-        return cls(modules, sizes, token_budget, hidden_size, device, dtype)
+        dev = torch.device(device)
+        modules, hidden_size = standalone_modules(model_dir, dev, dtype, kernels)
+        return cls(modules, sizes, token_budget, hidden_size, dev, dtype)
 
     def _run(self, modules, sizes, token_budget, hidden_size, device, dtype) -> None:
         try:

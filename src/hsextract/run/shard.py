@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from hsextract import __version__
 from hsextract.data.assign import shard_of
@@ -27,6 +28,9 @@ from hsextract.run.liveness import Heartbeat, Progress, stop_request, write_json
 from hsextract.run.status import ProgressReporter
 from hsextract.say import shard_log
 from hsextract.store import LocalStore, S3Store, s3_client, sha256_file
+
+if TYPE_CHECKING:
+    from hsextract.output.upload import BackgroundUploader
 
 
 class Shard:
@@ -44,7 +48,7 @@ class Shard:
         self.started = time.time()
         self.counting = threading.Lock()  # progress is updated by the main and the writer thread
         self.recording = threading.Lock()  # file entries come from the writer and the uploader threads
-        self.uploader = None  # BackgroundUploader when the output is s3://
+        self.uploader: BackgroundUploader | None = None  # when the output is s3://
         self.extract_ended: float | None = None
         self.drain_s = 0.0  # waiting for the uploader after the last batch
         self.pipeline: dict = {}  # the extraction loop's timings
@@ -127,6 +131,7 @@ class Shard:
         self.recipe_journaled = True
         mine, recorded = self.recipe.to_json(), self.recorded_recipe
         if recorded is None or (recorded.get("recipe") or {}).get("versions") != mine["versions"]:
+            assert self.journal is not None  # opened by `begin()`, before any file entry
             self.journal.append({"kind": "recipe", "fingerprint": self.recipe.fingerprint, "recipe": mine},
                                 durable=True)
 
@@ -135,10 +140,12 @@ class Shard:
         from hsextract.output.upload import BackgroundUploader, Spool, fetch_journals, spool_marks
 
         opts = self.opts
+        assert opts.upload is not None  # `begin()` starts the uploader only for an s3:// output
         store = S3Store(opts.upload, s3_client(opts.s3_endpoint))
         fetch_journals(store, opts.out_dir)  # what every earlier run put in the store counts as done
         # parts of uploads an earlier worker of this shard never finished (killed, stopped mid-file): this one
         # holds the shard's lock, so none of them is still going on
+        aborted: list[str]
         try:
             aborted = store.abort_uploads(f"{opts.shard_dir.name}/")
         except Exception as exc:  # noqa: BLE001 - a cleanup: no ListBucketMultipartUploads right must not stop it
@@ -160,6 +167,7 @@ class Shard:
         Journaled files that are gone were deleted after their verification: they are in the store.
         A waiting file that no longer matches its journal entry (the disk or someone altered it) can never
         be uploaded: it is journaled `lost` and deleted, so this run extracts its samples again."""
+        assert self.uploader is not None and self.journal is not None  # `begin()` calls this with both
         entries = list(read_entries(self.opts.shard_dir / JOURNAL_NAME))
         lost = lost_files(entries)
         for entry in entries:
@@ -210,6 +218,7 @@ class Shard:
 
     def skip(self, sample_id: str, reason: str, detail: str, line: int | None = None, counts_as_done=False) -> None:
         """Journal `sample_id` as skipped with `reason` and count it."""
+        assert self.journal is not None  # opened by `begin()`, before any record is read
         self.journal.append({"kind": "skip", "id": sample_id, "reason": reason, "detail": detail, "line": line})
         with self.counting:  # skips come from the main thread (oom, tokenizing) and the prepare thread (NaN)
             self.skips[reason] += 1
@@ -220,6 +229,7 @@ class Shard:
         """Copy a prepared file into the page cache under its temp name (the disk catches up in `seal_file`);
         or, with --upload-from memory and room in its budget, hand its bytes to the uploader (None)."""
         if self.uploader and self.uploader.reserve_memory(prep.payload.size):
+            assert prep.payload.sha256 is not None  # the writer hashes every file before it writes it
             entry = self.file_entry(prep, prep.payload.size, prep.payload.sha256, prep.payload.xxh3) | {
                 "from_memory": True, **({"rms": prep.rms} if prep.rms is not None else {})}
             self.uploader.submit_memory(entry, prep.payload.tobytes(), self.record_file)
@@ -252,6 +262,7 @@ class Shard:
         """Journal a file that is durable (on disk, or verified in the store) and count it."""
         with self.recording:
             self.record_recipe()
+            assert self.journal is not None  # opened by `begin()`, before any file is written
             self.journal.append(entry, durable=True)
         p = self.progress
         with self.counting:
@@ -276,6 +287,7 @@ class Shard:
                                   f"neither written nor skipped, e.g. {sorted(missing)[:5]}")
         self.check_skipped(state)
         summary = self.summary()
+        assert self.journal is not None  # opened by `begin()`
         self.journal.append({"kind": "done", "summary": summary}, durable=True)
         write_json_atomic(self.opts.shard_dir / "summary.json", summary)
         if self.uploader:

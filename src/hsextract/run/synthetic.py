@@ -55,7 +55,7 @@ class Sample:
 
 def estimate_tokens(messages: list[dict]) -> int:
     """One token per 4 characters of the messages' text, plus 4 per message (role and template markers)."""
-    chars = sum(len(m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content")))
+    chars = sum(len(c if isinstance(c := m.get("content"), str) else json.dumps(c))
                 for m in messages if isinstance(m, dict))
     return max(2, chars // 4 + 4 * len(messages))
 
@@ -65,6 +65,7 @@ class SyntheticRun(Shard):
 
     def run(self, layer_ids: list[int]) -> dict:
         opts = self.opts
+        assert opts.synthetic is not None  # the CLI runs this worker only with --synthetic
         self.recipe = recipe_of(opts, layer_ids, "bfloat16")
         pending = self.begin()
         if not pending:

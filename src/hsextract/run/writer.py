@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -64,7 +64,7 @@ class BatchWriter:
         self.error: BaseException | None = None
         self.started = time.monotonic()
         self.first_sealed: float | None = None
-        self.spent: Counter = Counter()
+        self.spent: defaultdict[str, float] = defaultdict(float)
         self._spent_lock = threading.Lock()
         self.threads = [threading.Thread(target=target, name=f"hsextract-{target.__name__[1:]}", daemon=True)
                         for target in (self._prepare, self._write, self._seal)]

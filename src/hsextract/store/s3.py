@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 
@@ -151,7 +152,7 @@ class S3Store(Store):
     def delete(self, key: str) -> None:
         self._call(self.client.delete_object, key)
 
-    def abort_uploads(self, under: str) -> list[str]:
+    def abort_uploads(self, under: str) -> builtins.list[str]:  # `list` here is the method above
         """Abort every unfinished multipart upload of a key beneath `under` (relative to the output root): the
         parts a killed or stopped uploader left behind, which the bucket would otherwise keep (and bill) until
         a lifecycle rule removes them. Returns the keys (relative) whose uploads were aborted."""

@@ -197,7 +197,7 @@ class Speculators(Layout):
         _save_atomic(lambda tmp: save_file(tensors, str(tmp)), dest, name)
         return name
 
-    def finish(self, dest, rows):
+    def finish(self, dest: Path, rows: int) -> dict:
         """The Arrow dataset (input_ids, loss_mask, seq_len of every row, read back from the rows' files, so
         memory stays bounded) in torch format, and token_freq.pt."""
         from safetensors import safe_open

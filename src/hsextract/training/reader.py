@@ -43,7 +43,7 @@ def repair_hint(store: Store, entry: dict) -> str:
 
 
 def read_batches(store: Store, files: list[tuple[str, dict]], verify: bool | str, ahead: int = 1,
-                 views: bool = False, shared: bool = False) -> Iterator[tuple[str, dict, object]]:
+                 views: bool = False, shared: bool = False) -> Iterator[tuple[str, dict, BatchFile | LoadedBatch]]:
     """(shard dir, file entry, batch) per file, in order. Local files are opened in place; remote ones are
     downloaded `ahead` files ahead; each file's size and checksum are checked against its journal entry first
     (`verify`: `batchfile.VERIFY_MODES`; CorruptOutput naming the file) (`views`: their tensors are views of the
@@ -96,7 +96,7 @@ def read_samples(path_or_uri: str | Path, verify: bool | str = True, client=None
 
 
 def sample_positions(path_or_uri: str | Path, verify: bool | str = True, client=None,
-                     mixed: bool = False) -> Iterator[tuple[object, int]]:
+                     mixed: bool = False) -> Iterator[tuple[BatchFile | LoadedBatch, int]]:
     """(batch, position) of every sample `read_samples` yields, in the same order: the batch (a `BatchFile` or
     `LoadedBatch`: its `metadata` says which layers, model and dtype) is held only while its samples are read.
     `mixed`: read an output of several recipes anyway (fsck, an export told so)."""
@@ -112,7 +112,7 @@ def sample_positions(path_or_uri: str | Path, verify: bool | str = True, client=
         yield from ((batch, position) for position in first_positions(state, shard, entry, batch))
 
 
-def _single_file(path: Path, mode: str) -> Iterator[tuple[object, int]]:
+def _single_file(path: Path, mode: str) -> Iterator[tuple[BatchFile | LoadedBatch, int]]:
     """One batch file read alone: its data checked against its own header's record."""
     from safetensors import SafetensorError
 
@@ -162,6 +162,7 @@ def _index(path_or_uri: str | Path, verify: bool | str) -> tuple[list[tuple[Path
     for shard, entry in first_copies(state):
         key = f"{shard}/{entry['file']}"
         path = store.local_path(key)
+        assert path is not None  # a local output: every key has a path
         entries[path] = (entry, store.where(key), repair_hint(store, entry))
         if mode != "off":
             check_bytes(map_pages(path).numpy(), entry, store.where(key), mode, repair_hint(store, entry))

@@ -115,7 +115,9 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
 class _PageView(torch.Tensor):
     """A view of a local batch file's pages in a DataLoader worker: it crosses to the training process as
     (file, offset, dtype, shape, stride), and is mapped there again (`_remap`): no copy on either side."""
-    __torch_function__ = torch._C._disabled_torch_function_impl  # what is computed from it is a plain tensor
+    # what is computed from it is a plain tensor (torch's own idiom; its stubs type the C function without `cls`)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    hsx_page: tuple[str, int]  # (file, offset of the view's data in it), set by `_crossing`
 
 
 def _crossing(batch, record: dict) -> dict:
@@ -143,7 +145,7 @@ def _crossing(batch, record: dict) -> dict:
 class _ByValue(torch.Tensor):
     """A small tensor of a DataLoader worker's sample (token ids, a loss mask): it crosses to the training
     process as its bytes in the message, cheaper than a shared-memory segment of its own."""
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # as `_PageView`'s
 
 
 _BY_VALUE = 1 << 20
