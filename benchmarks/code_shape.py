@@ -12,6 +12,8 @@ Reads the product's Python files (src/hsextract, tasks, flows, deployments) as t
 - places that state a setting's value: for every parameter of the `extract` flow, each function parameter
   default, class field default, argparse `default=`, entry of a dict literal with two or more settings as keys, or keyword argument with a literal
   value (not `None`: it states none) under its name (one each is the goal);
+- reads of a setting by its name out of a mapping (`p["max_length"]`, `params.get("hosts")`) in the
+  orchestrator (tasks, flows, deployments): what typed settings replace;
 - places that branch on the output's scheme outside the store package (`hsextract/store`): a call of `startswith`/`removeprefix`/`endswith` with a
   `s3://` or `file://` literal, a comparison with such a literal, or `"://" in ...`;
 - public definitions (module-level functions and classes, and methods, whose names do not start with `_`)
@@ -219,6 +221,18 @@ def setting_values(tree: ast.AST, settings: set[str]) -> list[tuple[str, int]]:
     return found
 
 
+def keyed_reads(tree: ast.AST, settings: set[str]) -> list[int]:
+    """Lines that read a setting out of a mapping by its name: `p["max_length"]`, `params.get("hosts")`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in settings:
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in settings:
+            found.append(node.lineno)
+    return found
+
+
 def syspath_insertions(root: Path) -> list[str]:
     """`sys.path.insert/append/extend` calls and `sys.path` assignments in every Python file of the checkout."""
     found = []
@@ -354,6 +368,8 @@ def measure(root: Path, tools: bool = True) -> dict:
     for rel, tree in rels.items():
         for setting, line in setting_values(tree, set(settings)):
             places[setting].append(f"{rel}:{line}")
+    keyed = {rel: lines for rel, tree in rels.items() if not rel.startswith("src/")
+             and (lines := keyed_reads(tree, set(settings)))}
     outside = {rel: found for rel, found in branches.items() if not rel.startswith(STORE)}
     exceptions = exception_classes(rels)
     long_lines = sum(1 for t in texts.values() for ln in t.splitlines() if len(ln) > 100)
@@ -363,7 +379,7 @@ def measure(root: Path, tools: bool = True) -> dict:
             "branches": branches, "branches_outside_store": outside, "public": public, "documented": documented,
             "packages": {k: {"modules": v[0], "lines": v[1]} for k, v in sorted(packages.items())},
             "cycles": cycles(graph), "private_imports": private,
-            "settings": {k: places.get(k, []) for k in settings},
+            "settings": {k: places.get(k, []) for k in settings}, "keyed_reads": keyed,
             "syspath": syspath_insertions(root), "repeated": repeated_blocks(texts),
             "exceptions": exceptions, "retry_words": retry_words(trees),
             "long_lines": long_lines, "long_lines_pct": round(100 * long_lines / max(1, total), 1),
@@ -398,6 +414,10 @@ def main() -> int:
           f"{len(repeated)}; {sum(len(v) for v in m['settings'].values())} places in all")
     for name, places in sorted(repeated.items(), key=lambda kv: -len(kv[1])):
         print(f"  {name}: {len(places)} ({', '.join(places[:6])}{' ...' if len(places) > 6 else ''})")
+    print(f"settings read by their name out of a mapping (p[\"max_length\"], .get(\"hosts\")) in the orchestrator: "
+          f"{sum(len(v) for v in m['keyed_reads'].values())}")
+    for rel, lines in sorted(m["keyed_reads"].items()):
+        print(f"  {rel}: lines {', '.join(map(str, lines))}")
     total = sum(len(v) for v in m["branches"].values())
     outside = sum(len(v) for v in m["branches_outside_store"].values())
     print(f"places that branch on local vs s3:// ({total}; {outside} outside the store package):")
