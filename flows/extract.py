@@ -4,6 +4,9 @@ Ends Completed only when every requested shard is done and the output reconciles
 each failed shard, its host and the reason. Calling it again with the same `run_name` and `output` continues
 the run: complete shards are not redone (the worker resumes by sample id) and running ones are adopted.
 
+Each parameter is a setting of tasks/settings.py, by its flat name: typed and defaulted from there, and read
+by the flow as `Settings` (grouped: `settings.deadlines.stall_timeout_s`).
+
 (No `from __future__ import annotations` here: Prefect validates the parameters with a pydantic model built
 from this signature, and where the runner loads this file under a module name of its own (`extract.serve()`)
 string annotations cannot be resolved.)

@@ -33,6 +33,7 @@ from typing import Any, cast
 from hsextract.data.inputcache import PRUNE_AFTER_S, Cache
 from hsextract.data.sources import (
     Manifest,
+    SourceFile,
     StageError,
     local_manifest,
     manifest_uri,
@@ -225,6 +226,22 @@ def _fetch(host: Host, sources: list[Source], bundle_sha256: str, manifests: lis
         return cast(list[dict], fetched)  # fetch prints one object per source
 
 
+def _local_copy(host: Host, source: Source, entry: SourceFile) -> Path:
+    """The orchestrator's copy of a manifest entry of an orchestrator: source, as its manifest says it is
+    (StageFailed, not retried, when it is gone or changed)."""
+    assert source.local is not None  # only orchestrator: sources are sent
+    local = Path(source.local) if source.manifest.kind == "file" else Path(source.local) / entry.path
+    try:
+        size = local.stat().st_size
+    except OSError as exc:
+        raise StageFailed(f"host {host.name}: staging {source.uri}: {local}: {exc.strerror or exc}",
+                          retry=Retry.NEVER) from None
+    if size != entry.size:
+        raise StageFailed(f"host {host.name}: staging {source.uri}: {local} changed since its manifest was "
+                          f"made ({size:,} bytes, manifest {entry.size:,})", retry=Retry.NEVER)
+    return local
+
+
 def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests: dict[str, str],
           offsets: dict[str, dict[str, int]]) -> dict[str, dict]:
     """Send each file the host lacks over SFTP into its partial file (from where the last send stopped), then
@@ -233,22 +250,11 @@ def _send(host: Host, sources: dict[str, Source], bundle_sha256: str, manifests:
     files: list[tuple[str | Path, str, int]]  # (local, partial file on the host, offset)
     sent, resumed, total, files = {}, {}, 0, []
     for role, source in sources.items():
-        assert source.local is not None  # only orchestrator: sources are sent
-        root = Path(source.local)
         sent[role] = resumed[role] = 0
         for entry in source.manifest.files:
             if entry.path not in offsets[role]:
                 continue
-            offset = offsets[role][entry.path]
-            local = root if source.manifest.kind == "file" else root / entry.path
-            try:
-                size = local.stat().st_size
-            except OSError as exc:
-                raise StageFailed(f"host {host.name}: staging {source.uri}: {local}: {exc.strerror or exc}",
-                                  retry=Retry.NEVER) from None
-            if size != entry.size:
-                raise StageFailed(f"host {host.name}: staging {source.uri}: {local} changed since its manifest was "
-                                  f"made ({size:,} bytes, manifest {entry.size:,})", retry=Retry.NEVER)
+            offset, local = offsets[role][entry.path], _local_copy(host, source, entry)
             if offset < entry.size:
                 files.append((local, str(cache.partial(entry, source.manifest.source)), offset))
                 sent[role] += entry.size - offset
