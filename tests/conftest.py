@@ -78,23 +78,12 @@ def s3(s3_endpoint, request):
     return client, bucket
 
 
-#: the files whose tests take longest in all (the suite's `--durations` report), longest first: scripts/test.sh
-#: runs a file's tests in one process (`--dist loadfile`), so these start first and the short files fill the end
-#: of the parallel run instead of waiting behind one that started last
-LONGEST_FIRST = ("test_ui.py", "test_deployment.py", "test_integrity.py", "test_s3_output.py", "test_flow.py",
-                 "test_resume.py", "test_flow_s3.py", "test_launch.py", "test_prewarm.py", "test_cli.py",
-                 "test_preflight.py", "test_fault_matrix.py")
-
-
 def pytest_collection_modifyitems(config, items):
     """Every test under tests/integration is `slow` (real servers, hosts, workers): `-m 'not slow'` leaves the
-    pure tests, the inner loop. The files of LONGEST_FIRST are collected first (in that order; the rest as they
-    were)."""
+    pure tests, the inner loop."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.slow)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
 
 
 _FILE_SECONDS: dict[str, float] = {}
@@ -107,7 +96,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """With --durations: the 12 files that took longest in all (what LONGEST_FIRST should list)."""
+    """With --durations: the 12 files that took longest in all (with --dist loadfile, a file's tests run in
+    one process: the parallel run can end no sooner than its longest file)."""
     if config.getoption("durations", None) is None or len(_FILE_SECONDS) < 2:
         return
     terminalreporter.write_sep("=", "longest files (set-up + tests + tear-down, summed)")

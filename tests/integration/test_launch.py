@@ -303,14 +303,17 @@ def wait_extracting(host, job) -> None:
 def test_stop_workers_stops_the_runs_workers_on_every_host_and_a_relaunch_resumes(env, tmp_path):
     """Two shards of one run on two hosts, extracting: one `stop_workers` SIGTERMs both (each finishes the file
     in flight, journals it, and names the stop request in its exit record); supervise ends ShardStopped, not a
-    failure; a launch afterwards resumes each shard to every sample exactly once."""
+    failure; a launch afterwards resumes each shard to every sample exactly once. The workers run on a slow GPU
+    (every forward pass 0.1 s longer): the stop lands mid-shard however long it takes to arrive."""
+    from harness.faulty import FORWARD_DELAY_S, python_for
     from harness.worker import dataset_ids
     from hsextract import read_samples
     from tasks.cancel import stop_workers
     from tasks.shards import ShardStopped
 
-    data = tiny.build_dataset(tmp_path / "data.jsonl", 600, seed=9)
-    jobs = [job_for(env, name, shard=n, run="cancel", num_shards=2, budget=256, data=data)
+    data = tiny.build_dataset(tmp_path / "data.jsonl", 240, seed=9)
+    slow = python_for(tmp_path / "python-slow", {FORWARD_DELAY_S: "0.1"})
+    jobs = [job_for(env, name, shard=n, run="cancel", num_shards=2, budget=256, data=data, python=slow)
             for n, name in enumerate(("h1", "h2"))]
     launched = []
     for job in jobs:
