@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up, lint (scripts/lint.sh), then run the whole test suite (unit + integration on a real tiny model): the
-# tests in parallel (pytest-xdist, one process per file's tests so module fixtures are built once), then the
-# `serial` ones alone (timing-sensitive under load). Extra args go to both pytest runs; HSX_TEST_WORKERS sets
-# the parallel processes (default 3: on 2 cores the tests spend much of their time waiting on subprocesses). The
-# parallel run ends with its 20 slowest tests (--durations): where the suite's time goes.
+# Set up, lint and type-check (scripts/lint.sh), then run the whole test suite (unit + integration on a real tiny
+# model): the tests in parallel (pytest-xdist, one process per file's tests so module fixtures are built once),
+# then the `serial` ones after it, beside each other only (timing-sensitive under the parallel run's load). Extra
+# args go to both pytest runs; HSX_TEST_WORKERS sets the parallel processes (default 3: on 2 cores the tests
+# spend much of their time waiting on subprocesses). The parallel run ends with its 20 slowest tests and its 12
+# longest files (--durations): where the suite's time goes.
 # The fast tier alone: .venv/bin/python -m pytest -m 'not slow' -q
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +17,5 @@ phase() {  # one pytest run; "no tests collected" (5: a selection with none of t
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=$rc; fi
 }
 phase -m "not serial" -n "${HSX_TEST_WORKERS:-3}" --dist loadfile --durations=20 "$@"
-phase -m serial "$@"
+phase -m serial -n 3 --dist load "$@"  # beside each other only: they wait far more than they compute
 exit $status
