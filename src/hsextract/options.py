@@ -35,6 +35,16 @@ CONFINE_MODES = get_args(ConfineMode)
 PROGRESS_MODES = ("auto", "bar", "log")
 
 
+def prove_writable(label: str, path: Path) -> None:
+    """Make the directory `path` and write a file in it (UsageError naming the option `label` when it cannot)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{label} {str(path)!r}: not writable ({exc.strerror or exc})") from None
+
+
 def option(text: str, *, required: bool = False, choices: tuple[str, ...] | None = None, metavar: str | None = None):
     """The CLI side of a field: its help text, whether the CLI requires it, argparse choices."""
     return {"help": text, "required": required, "choices": choices, "metavar": metavar}
@@ -279,10 +289,5 @@ class WorkerOptions:
     def prepare_dirs(self) -> None:
         """Create the shard and status directories and prove they are writable."""
         for label, path in (("--out", self.shard_dir), ("--status-dir", self.status_path)):
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
-                    pass
-            except OSError as exc:
-                raise UsageError(f"{label} {str(path)!r}: not writable ({exc.strerror or exc})") from None
+            prove_writable(label, path)
         os.chmod(self.shard_dir, 0o750)

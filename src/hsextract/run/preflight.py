@@ -9,12 +9,11 @@ the mistake is fixed before a GPU is taken, instead of failing every shard the s
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from pathlib import Path
 
 from hsextract.data.model import read_model_info
 from hsextract.errors import UsageError
-from hsextract.options import WorkerOptions
+from hsextract.options import WorkerOptions, prove_writable
 from hsextract.run.layers import parse_layer_spec
 
 
@@ -149,13 +148,7 @@ def preflight(opts: WorkerOptions, probe: bool = False, sample_tokens: int = 0) 
     layer_ids = parse_layer_spec(opts.layers, info.num_layers)
     size = readable_dataset(opts.data)
     if opts.upload is None:
-        out = opts.out_dir
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=out, prefix=".preflight-"):
-                pass
-        except OSError as exc:
-            raise UsageError(f"--out {str(out)!r}: not writable ({exc.strerror or exc})") from None
+        prove_writable("--out", opts.out_dir)
     found = {"model_type": info.model_type, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
              "layers": layer_ids, "data_bytes": size, "model_bytes": model_bytes(opts.model)}
     if probe:
