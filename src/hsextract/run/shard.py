@@ -44,7 +44,7 @@ class Shard:
         self.log = shard_log(opts.shard, opts.num_shards)  # what it says on stderr
         self.skips: Counter[str] = Counter()
         self.stop_signal: str | None = None
-        self.journal: Journal | None = None
+        self._journal: Journal | None = None  # opened by `begin()`
         self.started = time.time()
         self.counting = threading.Lock()  # progress is updated by the main and the writer thread
         self.recording = threading.Lock()  # file entries come from the writer and the uploader threads
@@ -58,7 +58,14 @@ class Shard:
         self.recorded_recipe: dict | None = None  # this shard's last journaled `recipe` entry (`check_recipe`)
         self.recipe_journaled = False  # this run's recipe is in the journal (before its first file entry)
 
+    @property
+    def journal(self) -> Journal:
+        """The shard's journal (opened by `begin()`: nothing is recorded before it)."""
+        assert self._journal is not None, "the shard's journal is read or written before begin()"
+        return self._journal
+
     # -- set-up ---------------------------------------------------------------------------------------
+
     def validate(self) -> list[int]:
         """Check the options, the model's config and the layers asked for, and make the shard's dirs: the layer ids."""
         self.opts.check_inputs()
@@ -91,7 +98,7 @@ class Shard:
             self.start_uploader()
         self.recorded_recipe = self.check_recipe()  # before a byte of this run is written
         self.clean_shard_dir()
-        self.journal = Journal(opts.shard_dir)
+        self._journal = Journal(opts.shard_dir)
         if self.uploader:
             self.resume_uploads()
         self.progress.phase = "reading_data"
@@ -131,7 +138,6 @@ class Shard:
         self.recipe_journaled = True
         mine, recorded = self.recipe.to_json(), self.recorded_recipe
         if recorded is None or (recorded.get("recipe") or {}).get("versions") != mine["versions"]:
-            assert self.journal is not None  # opened by `begin()`, before any file entry
             self.journal.append({"kind": "recipe", "fingerprint": self.recipe.fingerprint, "recipe": mine},
                                 durable=True)
 
@@ -167,7 +173,7 @@ class Shard:
         Journaled files that are gone were deleted after their verification: they are in the store.
         A waiting file that no longer matches its journal entry (the disk or someone altered it) can never
         be uploaded: it is journaled `lost` and deleted, so this run extracts its samples again."""
-        assert self.uploader is not None and self.journal is not None  # `begin()` calls this with both
+        assert self.uploader is not None  # `begin()` calls this only with one
         entries = list(read_entries(self.opts.shard_dir / JOURNAL_NAME))
         lost = lost_files(entries)
         for entry in entries:
@@ -218,7 +224,6 @@ class Shard:
 
     def skip(self, sample_id: str, reason: str, detail: str, line: int | None = None, counts_as_done=False) -> None:
         """Journal `sample_id` as skipped with `reason` and count it."""
-        assert self.journal is not None  # opened by `begin()`, before any record is read
         self.journal.append({"kind": "skip", "id": sample_id, "reason": reason, "detail": detail, "line": line})
         with self.counting:  # skips come from the main thread (oom, tokenizing) and the prepare thread (NaN)
             self.skips[reason] += 1
@@ -262,7 +267,6 @@ class Shard:
         """Journal a file that is durable (on disk, or verified in the store) and count it."""
         with self.recording:
             self.record_recipe()
-            assert self.journal is not None  # opened by `begin()`, before any file is written
             self.journal.append(entry, durable=True)
         p = self.progress
         with self.counting:
@@ -287,7 +291,6 @@ class Shard:
                                   f"neither written nor skipped, e.g. {sorted(missing)[:5]}")
         self.check_skipped(state)
         summary = self.summary()
-        assert self.journal is not None  # opened by `begin()`
         self.journal.append({"kind": "done", "summary": summary}, durable=True)
         write_json_atomic(self.opts.shard_dir / "summary.json", summary)
         if self.uploader:
@@ -445,8 +448,8 @@ def drive(make_shard, opts: WorkerOptions, heartbeat: Heartbeat | None = None) -
         traceback.print_exc()
     finally:
         reporter.close()
-        if shard.journal is not None:
-            shard.journal.close()
+        if shard._journal is not None:
+            shard._journal.close()
         heartbeat.finish(code, reason, **stop)
     if code != 0:
         shard_log(opts.shard, opts.num_shards).error(f"failed: {reason}")
