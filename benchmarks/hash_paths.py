@@ -9,7 +9,9 @@ each hashing its own files (aggregate GB/s, best of `--repeats`):
   populate    a private mapping with MAP_POPULATE (every page mapped by the kernel up front)
   pread       the file read in chunks (`--chunk-mb`) into one reused buffer, xxh3 streamed over them
 and the consumer's side: every file's bytes copied out of a fresh mapping into one buffer by torch, on all its
-threads (`copy-torch`) and on one (`copy-torch-1`): what a trainer's collate does with a sample's states.
+threads (`copy-torch`) and on one (`copy-torch-1`): what a trainer's collate does with a sample's states. Then
+the two at once (`together`: half the files copied, the other half hashed: do they share the memory's
+bandwidth?), and memory's own speed without files (`in memory`: a torch copy, xxh3 on N threads).
 
     .venv/bin/python benchmarks/hash_paths.py [--files 8] [--mb 448] [--threads 1,2,4]
 """
@@ -76,6 +78,50 @@ def copy_torch(path: Path, chunk: int) -> str:
     return ""
 
 
+def together(files: list[Path], threads: int, chunk: int) -> tuple[float, float]:
+    """The consumer's copy (torch, all its threads) of half the files beside `threads` threads hashing the other
+    half (mapped), at once: (copy GB/s, hash GB/s) while both ran. Is it the memory's bandwidth they share?"""
+    half = len(files) // 2
+    copied, hashed = files[:half], files[half:]
+    ends = {}
+
+    def hashing(mine: list[Path]) -> None:
+        for path in mine:
+            mmap_read(path, chunk)
+        ends["hash"] = max(ends.get("hash", 0.0), time.perf_counter() - began)
+
+    workers = [threading.Thread(target=hashing, args=(hashed[k::threads],)) for k in range(threads)]
+    began = time.perf_counter()
+    for w in workers:
+        w.start()
+    for path in copied:
+        copy_torch(path, chunk)
+    ends["copy"] = time.perf_counter() - began
+    for w in workers:
+        w.join()
+    size = lambda paths: sum(p.stat().st_size for p in paths)  # noqa: E731
+    return size(copied) / ends["copy"] / 1e9, size(hashed) / ends["hash"] / 1e9
+
+
+def in_memory(threads: int, size: int = 2**30) -> tuple[float, float]:
+    """Memory's own speed, no file: torch's copy of `size` bytes on all its threads, and xxh3 of `size` bytes on
+    each of `threads` threads at once (GB/s)."""
+    src, dst = torch.ones(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+    dst.copy_(src)
+    began = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    copy = 3 * size / (time.perf_counter() - began) / 1e9
+    data = src.numpy()
+    workers = [threading.Thread(target=lambda: xxhash.xxh3_128(data).hexdigest()) for _ in range(threads)]
+    began = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return copy, threads * size / (time.perf_counter() - began) / 1e9
+
+
 WAYS = {"mmap-copy": mmap_copy, "mmap-read": mmap_read, "populate": populate, "pread": pread,
         "copy-torch": copy_torch, "copy-torch-1": copy_torch}
 
@@ -134,6 +180,14 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         torch.set_num_threads(torch_threads)
+        for threads in (int(t) for t in args.threads.split(",")):
+            copy, hashed = max((together(files, threads, chunk) for _ in range(args.repeats)), key=sum)
+            print(json.dumps({"way": "together", "threads": threads, "copy_gb_per_s": round(copy, 2),
+                              "hash_gb_per_s": round(hashed, 2), "sum": round(copy + hashed, 2)}), flush=True)
+        for threads in (int(t) for t in args.threads.split(",")):
+            copy, hashed = in_memory(threads)
+            print(json.dumps({"way": "in memory", "threads": threads, "torch_copy_gb_per_s": round(copy, 2),
+                              "hash_gb_per_s": round(hashed, 2)}), flush=True)
     print("\n| way | " + " | ".join(f"{t} thread(s) GB/s" for t in args.threads.split(",")) + " |")
     print("|---|" + "---|" * len(args.threads.split(",")))
     for way in args.ways.split(","):

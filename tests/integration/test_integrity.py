@@ -163,10 +163,11 @@ def flip(path: Path, offset_from_end: int = 4096, count: int = 16) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_or_truncated_bytes_are_refused_by_every_default_reader(tiny_model, data, tmp_path):
+def test_flipped_or_truncated_bytes_are_refused_by_every_default_reader(tiny_model, data, tmp_path, monkeypatch):
     import subprocess
 
     from hsextract.errors import CorruptOutput
+    from hsextract.training import reader
     from hsextract.training.reader import HiddenStatesDataset
     from hsextract.training.stream import HiddenStatesStream
 
@@ -174,6 +175,19 @@ def test_flipped_or_truncated_bytes_are_refused_by_every_default_reader(tiny_mod
     assert run_extract(tiny_model, data, out, 0, 1, "--token-budget", "256").returncode == 0
     victim = sorted(out.glob("shard-*/batch-*.safetensors"))[1]
     good = victim.read_bytes()
+    # a stream hashes each file the first time it reads it, and again only once the file changed
+    modes, real = [], reader.check_bytes
+    monkeypatch.setattr(reader, "check_bytes", lambda data, entry, where, mode, repair="": (
+        modes.append((Path(where).name, mode)), real(data, entry, where, mode, repair)))
+    stream, files = HiddenStatesStream(out), len(list(out.glob("shard-*/batch-*.safetensors")))
+    first = [s["id"] for s in stream]
+    assert sorted(modes) == sorted((p.name, "fast") for p in out.glob("shard-*/batch-*.safetensors"))
+    modes.clear()
+    assert [s["id"] for s in stream] == first and [m for _, m in modes] == ["off"] * files
+    flip(victim)
+    with pytest.raises(CorruptOutput, match=victim.name):
+        list(stream)
+    monkeypatch.undo()
     for damage in ("flipped", "truncated"):
         victim.write_bytes(good)
         flip(victim) if damage == "flipped" else victim.write_bytes(good[:-100])

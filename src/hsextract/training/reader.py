@@ -7,6 +7,7 @@ any store: a local directory is read in place (each file opened lazily, samples 
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,13 +44,19 @@ def repair_hint(store: Store, entry: dict) -> str:
 
 
 def read_batches(store: Store, files: list[tuple[str, dict]], verify: bool | str, ahead: int = 1,
-                 views: bool = False, shared: bool = False) -> Iterator[tuple[str, dict, BatchFile | LoadedBatch]]:
-    """(shard dir, file entry, batch) per file, in order. Local files are opened in place; remote ones are
-    downloaded `ahead` files ahead; each file's size and checksum are checked against its journal entry first
-    (`verify`: `batchfile.VERIFY_MODES`; CorruptOutput naming the file) (`views`: their tensors are views of the
-    bytes downloaded, not copies: never write to them). `shared`: `LoadedBatch`es whose tensors can cross to
-    another process without a copy (a local file's pages mapped, a download in shared memory)."""
+                 views: bool = False, shared: bool = False,
+                 checked: dict[str, tuple] | None = None) -> Iterator[tuple[str, dict, BatchFile | LoadedBatch]]:
+    """(shard dir, file entry, batch) per file, in order. Local files are opened in place (checked
+    `hash_threads()` files ahead, at least `ahead`); remote ones are downloaded `ahead` files ahead. Each file's
+    size and checksum are checked against its journal entry first (`verify`: `batchfile.VERIFY_MODES`;
+    CorruptOutput naming the file). `views`: their tensors are views of the bytes downloaded, not copies: never
+    write to them. `shared`: `LoadedBatch`es whose tensors can cross to another process without a copy (a local
+    file's pages mapped, a download in shared memory). `checked`: the local files this reader has checked before
+    (path -> `identity`), kept up to date here: a file unchanged since is not hashed again (its size still is
+    checked), one whose identity changed is."""
     mode = verify_mode(verify)
+    if store.local_path("") is not None and mode != "off" and not shared:
+        ahead = max(ahead, hash_threads())
 
     def fetch(item):
         shard, entry = item
@@ -58,11 +65,18 @@ def read_batches(store: Store, files: list[tuple[str, dict]], verify: bool | str
         if path is not None:
             if not path.is_file():
                 raise CorruptOutput(f"{store.where(key)}: journaled, but not there. {repair_hint(store, entry)}")
+            known = checked if checked is not None else {}
+            seen = identity(path)  # before its bytes are read
+            file_mode = "off" if known.get(str(path)) == seen else mode
+
+            def check(data) -> None:
+                check_bytes(data, entry, store.where(key), file_mode, repair_hint(store, entry))
+                if file_mode != "off":
+                    known[str(path)] = seen
+
             if shared:
-                batch = LoadedBatch.mapped(path, store.where(key), lambda data: check_bytes(
-                    data, entry, store.where(key), mode, repair_hint(store, entry)))
-                return batch
-            check_bytes(map_pages(path).numpy(), entry, store.where(key), mode, repair_hint(store, entry))
+                return LoadedBatch.mapped(path, store.where(key), check)
+            check(map_pages(path).numpy())
             return BatchFile(path)
         if shared:  # downloaded straight into shared memory
             data = shared_memory(entry["bytes"])
@@ -80,6 +94,23 @@ def read_batches(store: Store, files: list[tuple[str, dict]], verify: bool | str
             if n + len(coming) + 1 < len(files):
                 coming.append(pool.submit(fetch, files[n + len(coming) + 1]))
             yield shard, entry, batch
+
+
+def identity(path: Path) -> tuple:
+    """What changes when a file's bytes may have: device, inode, size, modification and change times (a write,
+    a truncation, a rename over it, a `touch`)."""
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def hash_threads() -> int:
+    """How many local files one reading process checks at once: a core's each, one left to the consumer, at most
+    8. A file's check is one thread's hash of every byte (~8 GB/s on a cloud host's core) while one process's
+    consumer copies samples out at 24-42 GB/s on 16 cores (`benchmarks/hash_paths.py`); a mapped file ahead holds
+    nothing but the page cache, so local reads look further ahead than `ahead` downloads would. In a DataLoader
+    worker its siblings are the other cores' checks: `ahead` stays as given there."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(8, max(1, cores - 1))
 
 
 def read_samples(path_or_uri: str | Path, verify: bool | str = True, client=None) -> Iterator[dict]:

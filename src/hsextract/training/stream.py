@@ -4,7 +4,8 @@
 (the first copy of every sample, as `read_samples`), optionally shuffles their order and the samples within
 each file with `seed` + epoch, and deals the files round-robin to the `world_size` x `num_workers` readers
 (DataLoader workers of every rank): every sample exactly once per epoch across all of them. Each reader
-fetches `prefetch` files ahead on threads; memory is about `prefetch` + 1 batch files per reader. A sample's
+fetches `prefetch` files ahead on threads; memory is about `prefetch` + 1 batch files per reader (local files
+are mapped, not held: in one process they are checked further ahead, a core each: `reader.hash_threads`). A sample's
 tensors are views of its batch (of the file's pages locally, of the downloaded bytes from S3: read-only,
 copy before writing into them), so the one copy is the consumer's (collate, pin, to GPU), and a batch stays
 in memory while any of its samples does. From a DataLoader worker, samples reach the training process
@@ -50,6 +51,7 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         self.rank, self.world_size = rank, world_size
         # in shared memory: persistent DataLoader workers hold copies of this object, and see set_epoch too
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._checked: dict[str, tuple] = {}  # local files this reader hashed (`read_batches`' `checked`)
 
     @property
     def epoch(self) -> int:
@@ -96,7 +98,7 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         layout = None
         worker = torch.utils.data.get_worker_info() is not None
         for shard, entry, batch in read_batches(store, mine, self.verify, ahead=self.prefetch, views=True,
-                                            shared=worker):
+                                                shared=worker, checked=self._checked):
             if layout is None and self.keys != "hsextract":
                 layout = LAYOUTS[self.keys](Source.of(batch))
                 layout.plan()
