@@ -84,9 +84,12 @@ def analyze(records: Path, top: int) -> None:
             continue
     kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     tests: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    python = 0.0
-    for path in records.glob("starts/*"):
-        pid = int(path.name.split("-")[0])
+    python, latest = 0.0, {}
+    for path in records.glob("starts/*"):  # a process that exec'd another Python: its last program's
+        pid, started = path.name.split("-", 1)
+        if float(started) >= latest.get(int(pid), (0.0, None))[0]:
+            latest[int(pid)] = (float(started), path)
+    for pid, (_, path) in latest.items():
         if not cpu.get(pid):
             continue
         seconds = cpu[pid][-1]
