@@ -104,7 +104,7 @@ def identity(path: Path) -> tuple:
 
 
 def hash_threads() -> int:
-    """How many local files one reading process checks at once: a core's each, one left to the consumer, at most
+    """How many local files one reading process checks at once: a core each, one left to the consumer, at most
     8. A file's check is one thread's hash of every byte (~8 GB/s on a cloud host's core) while one process's
     consumer copies samples out at 24-42 GB/s on 16 cores (`benchmarks/hash_paths.py`); a mapped file ahead holds
     nothing but the page cache, so local reads look further ahead than `ahead` downloads would. In a DataLoader
