@@ -1,5 +1,3 @@
-import sys
+from hsextract.cli import run
 
-from hsextract.cli import main
-
-sys.exit(main())
+run()
