@@ -46,7 +46,7 @@ def kind_of(argv: list[str]) -> str:
         return "pytest-xdist worker"
     if "uvicorn" in text:
         return "Prefect server (uvicorn)"
-    if "import json, torch, transformers" in text:
+    if "torch, transformers, safetensors; print(" in text:
         return "deploy's environment check (imports torch, transformers)"
     if "-m" in argv:
         module = argv[argv.index("-m") + 1] if argv.index("-m") + 1 < len(argv) else ""
