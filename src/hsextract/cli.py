@@ -327,13 +327,13 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
     return 0
 
 
-def run() -> None:
+def run(argv: list[str] | None = None, *, capture=None) -> None:
     """The `hsextract` command (and `python -m hsextract`): `main`, then the process ends at once. When `main`
     returns, every subcommand has written, synced and closed what it leaves (a worker's exit.json last) and joined
     its threads; the interpreter's teardown of torch and transformers would only hold the process, and a worker's
     GPU memory, a second or more longer (0.9 s of CPU for the tiny model). An exception or a usage error leaves
     through the interpreter as usual."""
-    code = main()
+    code = main(argv, capture=capture)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

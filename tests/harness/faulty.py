@@ -61,4 +61,4 @@ def python_for(path: Path, env: dict[str, str], real: str = sys.executable) -> s
 if __name__ == "__main__":
     from hsextract import cli
 
-    sys.exit(cli.main(sys.argv[1:], capture=faulty_capture))
+    cli.run(sys.argv[1:], capture=faulty_capture)
