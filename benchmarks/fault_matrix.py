@@ -51,9 +51,9 @@ def main() -> int:
             and (not args.group or r.group == args.group)]
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # here, not at import: the tests import this
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    from moto.server import ThreadedMotoServer
     from prefect.testing.utilities import prefect_test_harness
 
+    from harness.moto_s3 import start_server
     from harness.sshd import SshdFarm
 
     for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
@@ -62,8 +62,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hsx-faults-"))
     model = tiny.build_model(work / "model", kind="qwen3_5_text")
     data = tiny.build_dataset(work / "chat.jsonl", 48, seed=7)
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
+    moto = start_server()  # conditional writes atomic, as S3's are
     began = time.monotonic()
     lab = None
     try:

@@ -52,14 +52,14 @@ def prefect_server():
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    """A real S3 HTTP endpoint: moto's ThreadedMotoServer on a free loopback port. Yields its URL."""
-    from moto.server import ThreadedMotoServer
+    """A real S3 HTTP endpoint: moto's ThreadedMotoServer on a free loopback port (conditional writes atomic, as
+    S3's are: `harness.moto_s3`). Yields its URL."""
+    from harness.moto_s3 import start_server
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = start_server()
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()

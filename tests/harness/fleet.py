@@ -55,10 +55,9 @@ def place_model(model: Path, base: Path) -> Path:
 def s3_for(farm, name: str) -> Iterator[str]:
     """moto on every address of this machine, reached by the address host `name`'s namespace routes to (every
     namespace's default route leads to this one): yields the endpoint URL all hosts and this process use."""
-    from moto.server import ThreadedMotoServer
+    from harness.moto_s3 import start_server
 
-    server = ThreadedMotoServer(ip_address="0.0.0.0", port=0, verbose=False)
-    server.start()
+    server = start_server("0.0.0.0")
     try:
         yield f"http://{farm.host(name).gateway or '127.0.0.1'}:{server.get_host_and_port()[1]}"
     finally:
