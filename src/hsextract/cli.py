@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from hsextract import __version__
 from hsextract.errors import USAGE_EXIT, Retry
@@ -327,12 +328,12 @@ def main(argv: list[str] | None = None, *, capture=None) -> int:
     return 0
 
 
-def run(argv: list[str] | None = None, *, capture=None) -> None:
+def run(argv: list[str] | None = None, *, capture=None) -> NoReturn:
     """The `hsextract` command (and `python -m hsextract`): `main`, then the process ends at once. When `main`
-    returns, every subcommand has written, synced and closed what it leaves (a worker's exit.json last) and joined
-    its threads; the interpreter's teardown of torch and transformers would only hold the process, and a worker's
-    GPU memory, a second or more longer (0.9 s of CPU for the tiny model). An exception or a usage error leaves
-    through the interpreter as usual."""
+    returns, every subcommand has written, synced and closed what it leaves (a worker's exit.json last); what
+    threads are left are daemons the interpreter would kill too. Its teardown of torch and transformers would only
+    hold the process, and a worker's GPU memory, a second or more longer (0.9 s of CPU for the tiny model). An
+    exception or a usage error leaves through the interpreter as usual."""
     code = main(argv, capture=capture)
     for stream in (sys.stdout, sys.stderr):
         try:
