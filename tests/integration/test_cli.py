@@ -32,8 +32,9 @@ def test_started_first_then_heartbeats_then_exit_status(tiny_model, dataset, tmp
     first = proc.stdout.readline()
     assert first.startswith(f"STARTED shard=0/1 pid={proc.pid} version={hsextract.__version__}")
     beat_path = out / "shard-00000-of-00001" / HEARTBEAT_NAME
-    seen = []
-    while proc.poll() is None:
+    seen, ended = [], False
+    while not ended:
+        ended = proc.poll() is not None  # one more look once it ended: its last heartbeat is written before that
         if beat_path.exists():
             beat = json.loads(beat_path.read_text())
             if not seen or beat["time"] != seen[-1]["time"]:
