@@ -80,7 +80,8 @@ def copy_torch(path: Path, chunk: int) -> str:
 
 def together(files: list[Path], threads: int, chunk: int) -> tuple[float, float]:
     """The consumer's copy (torch, all its threads) of half the files beside `threads` threads hashing the other
-    half (mapped), at once: (copy GB/s, hash GB/s) while both ran. Is it the memory's bandwidth they share?"""
+    half (mapped), started together: (copy GB/s over the copy's time, hash GB/s over the last hashing thread's).
+    Is it the memory's bandwidth they share?"""
     half = len(files) // 2
     copied, hashed = files[:half], files[half:]
     ends = {}
