@@ -150,11 +150,13 @@ out = subprocess.run(['sh', '-c', facts_cmd('/tmp/hsx-w', '/tmp')], capture_outp
 print(out); print(parse_facts(out))" 2>&1 | tee "$OUT/facts.log" ;;
 15)  # issue 38: the readers' checksum check on a machine with spare cores (16 here; this repo's CPU machine has 2,
      # where the hash thread, 9 GB/s with its page faults, is slower than the consumer's copy on the other core)
-    PYTHONPATH=src:/tmp/site timeout ${HASH_S:-150} python3 benchmarks/hash_paths.py --repeats 2 2>&1 | quiet \
-        | tee "$OUT/hash.log" | tail -9
-    [ "${READ_S:-120}" -gt 0 ] && for prefetch in 2 4; do
+    # HASH_S=0: no hash_paths.py; PREFETCHES, STREAM_ARGS (e.g. "--epochs 1 --files 24 --cold": a first epoch
+    # from the disk too): stream_read.py's runs
+    [ "${HASH_S:-150}" -gt 0 ] && PYTHONPATH=src:/tmp/site timeout ${HASH_S:-150} python3 benchmarks/hash_paths.py \
+        --repeats 2 2>&1 | quiet | tee "$OUT/hash.log" | tail -9
+    [ "${READ_S:-120}" -gt 0 ] && for prefetch in ${PREFETCHES:-2 4}; do
         PYTHONPATH=src:/tmp/site timeout ${READ_S:-120} python3 benchmarks/stream_read.py --no-s3 --workers 0 \
-            --epochs 4 --prefetch $prefetch 2>&1 | quiet | grep '"where"' | tee -a "$OUT/read.log"
+            ${STREAM_ARGS:---epochs 4} --prefetch $prefetch 2>&1 | quiet | grep '"where"' | tee -a "$OUT/read.log"
     done ;;
 12)  # issue 40: the 64-layer profile table and every lever beside the baseline (LEVERS: which; default all)
     timeout ${PROFILE_S:-570} python3 benchmarks/gpu_profile.py --model-layers ${MODEL_LAYERS:-64} \

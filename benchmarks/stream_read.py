@@ -11,7 +11,8 @@ seconds from an epoch's start to its first sample (the readers' first downloads,
 with their prefetches: a real epoch of thousands of files hides it, these few files do not), and the
 stream's bytes/s over the raw read's (the issue's goal >= 0.9), each with the readers' default checksum check
 (xxh3 of every file against its journal) and with it off (`verify=False`: the cost of the check). Locally both read
-from the page cache (each is run once to warm it, then measured); S3 is moto's server, a process of its
+from the page cache (each is run once to warm it, then measured; with `--cold` also with the files evicted
+before each read, so that its first epoch reads the disk); S3 is moto's server, a process of its
 own on loopback (`--no-s3` skips it). Then `hsextract export` of the local output to specforge-dflash and
 speculators: time, MB/s and peak RSS.
 
@@ -102,15 +103,34 @@ def stream_read(uri: str, prefetch: int, epochs: int, workers: int = 0,
     return time.perf_counter() - began, sum(starts) / len(starts), samples, size, each
 
 
+def evict(paths: list[Path]) -> None:
+    """Drop these files' pages from the page cache (posix_fadvise DONTNEED): the next read comes from the disk."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def measure(label: str, uri: str, read_one, names: list[str], file_bytes: int, prefetch: int, epochs: int,
-            workers: int = 0, verify: bool | str = True) -> dict:
-    raw_read(read_one, names, 1)  # warm (page cache / server)
-    stream_read(uri, prefetch, 1, workers, verify)  # another stream: the one measured checks its files anew
+            workers: int = 0, verify: bool | str = True, cold: list[Path] | None = None) -> dict:
+    """`cold`: these files are evicted before each measured read (so each first epoch reads the disk), and
+    nothing is read to warm them."""
+    if cold is None:
+        raw_read(read_one, names, 1)  # warm (page cache / server)
+        stream_read(uri, prefetch, 1, workers, verify)  # another stream: the one measured checks its files anew
+    else:
+        evict(cold)
     raw_s, got = raw_read(read_one, names, epochs)
     assert got == file_bytes * epochs, (got, file_bytes)
+    if cold is not None:
+        evict(cold)
     stream_s, first_s, samples, state, each = stream_read(uri, prefetch, epochs, workers, verify)
     label += f", {workers} DataLoader workers" if workers else ""
     label += {False: ", checksums off", True: "", "full": ", sha256"}[verify]
+    label += ", first epoch from the disk" if cold is not None else ""
     row = {"where": label, "files": len(names), "file_mb": round(file_bytes / 1e6, 1), "epochs": epochs,
            "raw_s": round(raw_s, 2), "raw_mb_per_s": round(got / raw_s / 1e6),
            "stream_s": round(stream_s, 2), "epoch_start_s": round(first_s, 3),
@@ -132,6 +152,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="reads of the whole output, each way")
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="also read through a DataLoader with N workers (0: not)")
+    parser.add_argument("--cold", action="store_true",
+                        help="also the local reads with the files evicted from the page cache first (a first epoch "
+                             "from the disk, as a training run on a fresh host reads it)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hsx-stream-") as tmp:
         out = Path(tmp) / "out"
@@ -150,6 +173,10 @@ def main() -> None:
 
         rows = [measure("local", str(out), read_local, names, file_bytes, args.prefetch, args.epochs, n, v)
                 for n in sorted({0, args.workers}) for v in (False, True)]
+        if args.cold:
+            paths = [shard / n for n in names]
+            rows += [measure("local", str(out), read_local, names, file_bytes, args.prefetch, args.epochs, n, v,
+                             cold=paths) for n in sorted({0, args.workers}) for v in (False, True)]
         if not args.no_s3:
             rows += s3_rows(out, names, file_bytes, args.prefetch, args.epochs, args.workers)
         exports = [export_row(out, Path(tmp) / fmt, fmt, file_bytes) for fmt in ("specforge-dflash", "speculators")]
