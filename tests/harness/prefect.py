@@ -39,17 +39,26 @@ def flow_runs_for(client, run_name: str, deployment: str | None = None) -> list:
 
 
 def flow_run_pid(flow_run_id) -> int:
-    """The pid of the process executing a flow run on this machine (a worker puts the id in its environment)."""
+    """The pid of the process executing a flow run on this machine: a worker starts a Prefect module there
+    (`python -m prefect.engine`, or a supervisor that execs it) with the id in its environment. Not merely the
+    first process with that environment: its children inherit it (the extraction workers a local host
+    launches too, detached), and once pids wrap around one of them can come first."""
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             environ = (proc / "environ").read_bytes().split(b"\0")
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
-            return int(proc.name)
-    raise LookupError(f"no process on this machine runs flow run {flow_run_id}")
+        mine = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ
+        if mine and any(a.startswith(b"prefect.") for a in argv):
+            found.append(int(proc.name))
+    if len(found) != 1:
+        raise LookupError(f"flow run {flow_run_id}: {len(found)} processes of Prefect's on this machine run it "
+                          f"({sorted(found)}), expected one")
+    return found[0]
 
 
 def shard_table(run_name: str) -> dict[int, dict]:

@@ -280,6 +280,16 @@ def _shard_workers(out: Path) -> Counter:
     return found
 
 
+def _shards_told(workdir: Path, served: Served) -> str:
+    """What each shard's worker left (exit record, its log's end) and the Prefect worker's log: for a message."""
+    told = []
+    for shard in sorted(workdir.glob("runs/*/shard-*")):
+        exit_file, log = shard / "exit.json", shard / "worker.log"
+        told.append(f"{shard.name}: exit {exit_file.read_text() if exit_file.exists() else None}; log ends "
+                    f"{log.read_text()[-600:] if log.exists() else None}")
+    return "\n".join(told) + f"\nthe Prefect worker's log ends: {served.worker_log()[-1500:]}"
+
+
 def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(served):
     from harness.prefect import flow_run_pid
 
@@ -310,7 +320,8 @@ def test_orchestrator_killed_midrun_is_marked_crashed_and_the_rerun_adopts(serve
     wait_for(crashed, ZOMBIE_AFTER.total_seconds() + 60, "the heartbeat automation to mark the run Crashed", served)
     crashed_after = time.monotonic() - killed_at
     rerun = wait_for(lambda: [r for r in runs_of("phoenix") if r.id != flow_run.id], 60, "the crash re-run", served)
-    assert _shard_workers(out) == Counter({0: 1, 1: 1}), "the extractions went on while nobody watched"
+    assert _shard_workers(out) == Counter({0: 1, 1: 1}), \
+        f"the extractions went on while nobody watched: {_shards_told(served.root / 'w-phoenix', served)}"
     wait_for(lambda: len([e for e in events("extract.shard.running", "phoenix") if e.payload.get("adopted")]) == 2,
              60, "the re-run to adopt both shards", served)
     hold.unlink()
