@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 
 
 from gpu_throughput import SEED, build_data, build_model, worker
+from stream_read import evict as evict_pages
 
 from hsextract.run.capture import LayerCapture
 from hsextract.run.layers import parse_layer_spec
@@ -77,15 +78,7 @@ def save_checkpoint(model_dir: Path, device: str) -> int:
 def evict_checkpoint(model_dir: Path) -> None:
     """Drop only the checkpoint's pages from the page cache (the libraries the worker imports stay cached: a
     host that ran a worker before, or had the software just installed)."""
-    import os
-
-    os.sync()
-    for path in model_dir.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict_pages(sorted(model_dir.glob("*.safetensors")))
 
 
 def raw_read(model_dir: Path) -> float:
