@@ -57,6 +57,7 @@ def read_batches(store: Store, files: list[tuple[str, dict]], verify: bool | str
     mode = verify_mode(verify)
     if store.local_path("") is not None and mode != "off" and not shared:
         ahead = max(ahead, hash_threads())
+    known = {} if checked is None else checked
 
     def fetch(item):
         shard, entry = item
@@ -65,7 +66,6 @@ def read_batches(store: Store, files: list[tuple[str, dict]], verify: bool | str
         if path is not None:
             if not path.is_file():
                 raise CorruptOutput(f"{store.where(key)}: journaled, but not there. {repair_hint(store, entry)}")
-            known = checked if checked is not None else {}
             seen = identity(path)  # before its bytes are read
             file_mode = "off" if known.get(str(path)) == seen else mode
 
