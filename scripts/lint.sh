@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The quality gate alone (scripts/test.sh runs it before the tests): ruff's lint rules, then mypy's type check,
-# on the product, as pyproject.toml's [tool.ruff] and [tool.mypy] set them. `bash scripts/lint.sh --fix` applies
-# the fixes ruff can make.
+# The quality gate alone: ruff's lint rules, then mypy's type check, on the product, as pyproject.toml's
+# [tool.ruff] and [tool.mypy] set them (scripts/test.sh runs the same two: ruff first, mypy beside its serial
+# tests). `bash scripts/lint.sh --fix` applies the fixes ruff can make.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check "$@"

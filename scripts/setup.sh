@@ -25,8 +25,26 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+# pip installs without compiling; the bytecode is made here, torch's on the other core while pip installs the rest
+# (most of a set-up's time; every later process loads it instead of compiling the sources again)
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+installed_before=$(ls "$site")
+compile() { .venv/bin/python -m compileall -qq "$@" >/dev/null 2>&1 || true; }  # errors: py2-only test files
+torch_compiled=""
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
-  .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -m pip install -q --no-compile "${TORCH_SPEC:-torch==2.13.0}" 2>&1 \
+    | grep -v '^WARNING: Location' || true
+  compile "$site/torch" "$site/functorch" "$site/torchgen" &
+  torch_compiled=$!
 fi
-.venv/bin/python -m pip install -qq -e '.[worker,orchestrate,export,dev]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -qq --no-compile -e '.[worker,orchestrate,export,dev]' 2>&1 \
+  | grep -v '^WARNING: Location' || true
+if [ -n "$torch_compiled" ]; then wait "$torch_compiled"; fi
+if [ "$(ls "$site")" != "$installed_before" ]; then  # something installed or upgraded: compile what is not yet
+  mapfile -t entries < <(ls -d "$site"/*/ | grep -Ev '/(torch|transformers)/$')
+  compile "$site/transformers" &  # a third of it all: one process, the rest the other
+  compile "${entries[@]}"
+  .venv/bin/python -m compileall -qq -l "$site" >/dev/null 2>&1 || true  # its top-level modules
+  wait
+fi
 .venv/bin/python -c 'import torch, transformers, safetensors, hsextract; import prefect, fabric; print(f"set up: torch {torch.__version__}, transformers {transformers.__version__}, prefect {prefect.__version__}, hsextract {hsextract.__version__}")'
