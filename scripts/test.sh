@@ -22,7 +22,8 @@ phase -m "not serial" -n "${HSX_TEST_WORKERS:-3}" --dist loadfile --no-loadscope
 types=$(mktemp)
 .venv/bin/python -m mypy > "$types" 2>&1 &
 mypy_pid=$!
-phase -m serial -n 3 --dist load "$@"  # beside each other only: they wait far more than they compute
+# beside each other only: they wait far more than they compute
+phase -m serial -n 3 --dist load --durations=5 "$@"
 mypy_rc=0
 wait "$mypy_pid" || mypy_rc=$?
 cat "$types"

@@ -88,13 +88,32 @@ class Served:
         return subprocess.run([sys.executable, "-m", "prefect", *args], capture_output=True, text=True,
                               env=self.env, timeout=timeout, stdin=subprocess.DEVNULL)
 
-    def stop(self) -> None:
-        """Stop the server and the worker the demo left running."""
-        for pid in self.pids:
-            try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the worker and the server the demo left running (the worker first, while its server answers),
+        each process group SIGTERMed, then SIGKILLed if it is still there after `timeout` seconds."""
+        for pid in reversed(self.pids):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    break
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline and group_alive(pid):
+                    time.sleep(0.1)
+                if not group_alive(pid):
+                    break
+
+
+def group_alive(pgid: int) -> bool:
+    """Some process of group `pgid` runs (a zombie does not count: it has ended)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def api_view(api: str, run_name: str) -> dict:

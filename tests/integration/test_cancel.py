@@ -176,7 +176,8 @@ def test_a_direct_call_that_is_signalled_stops_its_workers_ends_cancelled_and_re
     assert held.is_cancelled() and "held" in held.message and "automated re-run 1" in held.message, held.message
     assert not any(w["alive"] for w in workers(tmp_path, run).values())
 
-    again = extract(return_state=True, **p)  # a person starts it again: it resumes
+    # a person starts it again (at the usual speed: nothing need find it mid-run any more): it resumes
+    again = extract(return_state=True, **params(tiny_model, data, tmp_path, run, python=sys.executable))
     assert again.is_completed(), again.message
     assert not (out / "_runs" / run / "cancelled.json").exists(), "a run by hand clears the mark"
     ids = Counter(s["id"] for s in hsextract.read_samples(out, verify=True))
@@ -221,7 +222,7 @@ def test_a_cancel_while_the_workers_are_launched_kills_them_and_counts_no_attemp
     record = tmp_path / "out" / "_runs" / run / "attempts.json"
     attempts = json.loads(record.read_text()) if record.exists() else {}
     assert all(a["failed_attempts"] == 0 for a in attempts.values()), attempts
-    again = extract(return_state=True, **params(tiny_model, data, tmp_path, run))
+    again = extract(return_state=True, **params(tiny_model, data, tmp_path, run, python=sys.executable))
     assert again.is_completed(), again.message
     ids = Counter(s["id"] for s in hsextract.read_samples(tmp_path / "out", verify=True))
     assert ids == Counter(dataset_ids(data))
@@ -311,7 +312,7 @@ def test_one_shard_stopped_by_hand_fails_the_run_naming_it_and_only_a_person_run
     assert held.is_failed() and "stopped on purpose (host given back)" in held.message, held.message
     assert not any(w["alive"] for w in workers(tmp_path, run).values())
 
-    again = extract(return_state=True, **p)
+    again = extract(return_state=True, **params(tiny_model, data, tmp_path, run, python=sys.executable))
     assert again.is_completed(), again.message
     ids = Counter(s["id"] for s in hsextract.read_samples(tmp_path / "out", verify=True))
     assert ids == Counter(dataset_ids(data))

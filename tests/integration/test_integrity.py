@@ -28,15 +28,37 @@ def other_model(tmp_path_factory) -> Path:
     return tiny.build_model(tmp_path_factory.mktemp("other") / "qwen3_5_tiny", kind="qwen3_5_text", seed=1)
 
 
+@pytest.fixture(scope="module")
+def extracted(tiny_model, data, tmp_path_factory):
+    """`extracted(out, num_shards, shards, *args, layers=...)`: `out` made to hold those shards of the module's
+    dataset as `hsextract extract` writes them. Each (shard, arguments) runs once per module and is copied from
+    there: a worker writes only its shard's directory, whatever else the output holds. For a test's starting
+    output; what the test itself runs stays a run of its own."""
+    made: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("extracted")
+
+    def extract_into(out: Path, num_shards: int, shards, *args: str, layers: str = "1,3,6") -> Path:
+        for shard in shards:
+            key = (num_shards, shard, args, layers)
+            if key not in made:
+                where = root / str(len(made))
+                proc = run_extract(tiny_model, data, where, shard, num_shards, *args, layers=layers)
+                assert proc.returncode == 0, proc.stderr
+                made[key] = where
+            name = f"shard-{shard:05d}-of-{num_shards:05d}"
+            shutil.copytree(made[key] / name, out / name)
+        return out
+
+    return extract_into
+
+
 def snapshot(out: Path) -> dict[str, str]:
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(out.rglob("*")) if p.is_file() and p.suffix in (".jsonl", ".safetensors")}
 
 
-def test_a_resume_with_other_layers_is_refused_before_a_byte(tiny_model, data, tmp_path):
-    out = tmp_path / "out"
-    first = run_extract(tiny_model, data, out, 0, 2, layers="dflash:3")
-    assert first.returncode == 0, first.stderr
+def test_a_resume_with_other_layers_is_refused_before_a_byte(tiny_model, data, extracted, tmp_path):
+    out = extracted(tmp_path / "out", 2, [0], layers="dflash:3")
     before = snapshot(out)
     recipe = next(e for e in read_entries(out / "shard-00000-of-00002" / "journal.jsonl") if e["kind"] == "recipe")
     assert recipe["recipe"]["layer_ids"] == [1, 3, 5]
@@ -63,9 +85,8 @@ def test_a_resume_with_other_layers_is_refused_before_a_byte(tiny_model, data, t
 
 
 def test_another_checkpoint_is_refused_and_a_copy_of_the_same_one_elsewhere_is_not(tiny_model, other_model, data,
-                                                                                   tmp_path):
-    out = tmp_path / "out"
-    assert run_extract(tiny_model, data, out, 0, 2).returncode == 0
+                                                                                   extracted, tmp_path):
+    out = extracted(tmp_path / "out", 2, [0])
     before = snapshot(out)
     refused = run_extract(other_model, data, out, 1, 2)
     assert refused.returncode == 2 and "weights" in refused.stderr and snapshot(out) == before, refused.stderr
@@ -125,13 +146,12 @@ def test_the_flow_fails_a_worker_with_another_checkpoint_without_retrying_it(pre
 
 
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
-def test_a_stale_seal_is_removed_first_and_a_repaired_output_sealed_anew(tiny_model, data, tmp_path, damage):
+def test_a_stale_seal_is_removed_first_and_a_repaired_output_sealed_anew(tiny_model, data, extracted, tmp_path,
+                                                                        damage):
     from hsextract.store import LocalStore
     from tasks.reconcile import INDEX_NAME, SUCCESS_NAME, dataset_ids, reconcile_output
 
-    out = tmp_path / "out"
-    for shard in range(2):
-        assert run_extract(tiny_model, data, out, shard, 2, "--token-budget", "256").returncode == 0
+    out = extracted(tmp_path / "out", 2, [0, 1], "--token-budget", "256")
     first = reconcile_output(LocalStore(out), dataset_ids(data), 2)
     assert first.sealed and first.generation == 1 and first.fingerprint
     seal = json.loads((out / SUCCESS_NAME).read_text())
@@ -211,11 +231,10 @@ def test_flipped_or_truncated_bytes_are_refused_by_every_default_reader(tiny_mod
     assert len(list(hsextract.read_samples(out))) == len(list(hsextract.read_samples(out, verify=False)))
 
 
-def test_export_refuses_a_partial_output_or_a_destination_inside_it(tiny_model, data, tmp_path):
+def test_export_refuses_a_partial_output_or_a_destination_inside_it(tiny_model, data, extracted, tmp_path):
     import subprocess
 
-    out = tmp_path / "out"
-    assert run_extract(tiny_model, data, out, 0, 2).returncode == 0  # shard 1 of 2 never ran
+    out = extracted(tmp_path / "out", 2, [0])  # shard 1 of 2 never ran
 
     def export(dest, *extra):
         return subprocess.run([sys.executable, "-m", "hsextract", "export", str(out), str(dest), "--format",
@@ -295,15 +314,13 @@ def fsck_cli(out, *extra):
                           text=True, timeout=300)
 
 
-def test_fsck_lists_every_problem_and_repair_loses_no_good_sample(tiny_model, data, tmp_path):
+def test_fsck_lists_every_problem_and_repair_loses_no_good_sample(tiny_model, data, extracted, tmp_path):
     from collections import Counter
 
     from hsextract.store import LocalStore
     from tasks.reconcile import SUCCESS_NAME, dataset_ids, reconcile_output
 
-    out = tmp_path / "out"
-    for shard in range(2):
-        assert run_extract(tiny_model, data, out, shard, 2, "--token-budget", "256").returncode == 0
+    out = extracted(tmp_path / "out", 2, [0, 1], "--token-budget", "256")
     assert reconcile_output(LocalStore(out), dataset_ids(data), 2).sealed
     clean = fsck_cli(out, "--verify")
     assert clean.returncode == 0 and "clean" in clean.stdout, clean.stdout + clean.stderr
@@ -388,7 +405,8 @@ def test_an_s3_output_without_credentials_fails_naming_aws_credentials(prefect_s
     assert not (tmp_path / "w").exists()  # refused before any host was touched
 
 
-def test_a_checkpoint_made_degenerate_fails_naming_the_layer_and_stores_nothing(tiny_model, data, tmp_path):
+def test_a_checkpoint_made_degenerate_fails_naming_the_layer_and_stores_nothing(tiny_model, data, extracted,
+                                                                                tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -405,8 +423,7 @@ def test_a_checkpoint_made_degenerate_fails_naming_the_layer_and_stores_nothing(
     assert not list(out.glob("shard-*/batch-*.safetensors"))
     assert not [e for e in read_entries(out / "shard-00000-of-00001" / "journal.jsonl") if e["kind"] == "file"]
     # a sound model: every file journals its layers' RMS, and the heartbeat the run's
-    good = run_extract(tiny_model, data, tmp_path / "good", 0, 1)
-    assert good.returncode == 0, good.stderr
+    extracted(tmp_path / "good", 1, [0])
     files = [e for e in read_entries(tmp_path / "good" / "shard-00000-of-00001" / "journal.jsonl")
              if e["kind"] == "file"]
     assert files and all(len(e["rms"]) == 3 and all(r > 0 for r in e["rms"]) for e in files)
@@ -434,10 +451,8 @@ def test_a_huge_record_is_never_tokenized_whole(tiny_model, tmp_path):
     assert stored["huge"]["input_ids"].shape[0] == 512 and len(stored) == 31
 
 
-def test_a_dataset_whose_records_changed_under_their_ids_is_refused(tiny_model, data, tmp_path):
-    out = tmp_path / "out"
-    first = run_extract(tiny_model, data, out, 0, 1)
-    assert first.returncode == 0, first.stderr
+def test_a_dataset_whose_records_changed_under_their_ids_is_refused(tiny_model, data, extracted, tmp_path):
+    out = extracted(tmp_path / "out", 1, [0])
     files = [e for e in read_entries(out / "shard-00000-of-00001" / "journal.jsonl") if e["kind"] == "file"]
     assert all(len(e["tokens_xxh3"]) == len(e["records_xxh3"]) == len(e["ids"]) for e in files)
     import array
@@ -470,14 +485,12 @@ def test_a_dataset_whose_records_changed_under_their_ids_is_refused(tiny_model, 
 
 
 def test_the_flow_fails_a_complete_output_whose_dataset_changed_under_its_ids(prefect_server, tiny_model, data,
-                                                                               tmp_path):
+                                                                               extracted, tmp_path):
     """Every shard already complete: no worker runs to notice; the flow's full reconcile does."""
     from flows.extract import extract
     from harness.inventory import write_inventory
 
-    out = tmp_path / "out"
-    for shard in range(2):
-        assert run_extract(tiny_model, data, out, shard, 2, layers="dflash:3").returncode == 0
+    out = extracted(tmp_path / "out", 2, [0, 1], layers="dflash:3")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[7]["messages"][0]["content"] = "another question"
     other = tmp_path / "other.jsonl"
