@@ -41,8 +41,8 @@ fi
   | grep -v '^WARNING: Location' || true
 if [ -n "$torch_compiled" ]; then wait "$torch_compiled"; fi
 if [ "$(ls "$site")" != "$installed_before" ]; then  # something installed or upgraded: compile what is not yet
-  mapfile -t entries < <(ls -d "$site"/*/ | grep -Ev '/(torch|transformers)/$')
-  compile "$site/transformers" &  # a third of it all: one process, the rest the other
+  mapfile -t entries < <(ls -d "$site"/*/ | grep -v '/transformers/$')  # torch's: checked, compiled already
+  compile "$site/transformers" &  # the largest of the rest: one process, everything else the other
   compile "${entries[@]}"
   .venv/bin/python -m compileall -qq -l "$site" >/dev/null 2>&1 || true  # its top-level modules
   wait
