@@ -244,6 +244,7 @@ class SshHost(Host):
                 if time.monotonic() - started >= timeout:
                     # invoke's timer closes the channel, then finishes: a caller that sees the closed channel
                     # first gets -1, not CommandTimedOut. Past the deadline, it is the timeout.
+                    timers_done(conn)
                     raise TimeoutError(f"command still running after {timeout:.0f}s")
                 raise ConnectionResetError(f"the connection dropped before the command exited (no exit status; "
                                            f"it had printed {len(r.stdout)} bytes)")
@@ -333,6 +334,18 @@ class SshHost(Host):
                 conn.close()
             except Exception:  # closing a dead link may fail; it is gone either way
                 pass
+
+
+def timers_done(conn, wait_s: float = 2.0) -> None:
+    """Let invoke's timeout timers that fired on this connection finish (at most `wait_s` each): a timer closes its
+    command's channel from its own thread (`Runner.kill`), and the run can return as soon as the channel is marked
+    closed, while the close is still being sent; closing the connection under it then raises EOFError in the
+    timer's thread. (The timers of commands still running on the connection, their channels open, are left.)"""
+    for thread in threading.enumerate():
+        runner = getattr(getattr(thread, "function", None), "__self__", None)
+        if (isinstance(thread, threading.Timer) and getattr(runner, "context", None) is conn
+                and getattr(getattr(runner, "channel", None), "closed", False)):
+            thread.join(wait_s)
 
 
 def connect(spec: HostSpec, inventory: Inventory, channels: int = 1) -> Host:
