@@ -39,6 +39,14 @@ except Exception:
 SUBCOMMANDS = ("extract", "check", "fsck", "export", "stage", "make-tiny", "inspect", "--version")
 
 
+def phases(workers: int | None = None) -> tuple[list[str], list[str]]:
+    """The pytest arguments of scripts/test.sh's two phases: the parallel one (`workers` processes, default
+    HSX_TEST_WORKERS or 3; the longest files first), then the serial one."""
+    workers = workers or int(os.environ.get("HSX_TEST_WORKERS", "3"))
+    return (["-m", "not serial", "-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"],
+            ["-m", "serial", "-n", "3", "--dist", "load"])
+
+
 def kind_of(argv: list[str]) -> str:
     """A process's kind, from its argv."""
     text = " ".join(argv)
@@ -129,8 +137,7 @@ def main() -> None:
     subprocess.run(["accton", str(records / "pacct")], check=True, capture_output=True)
     began = time.time()
     try:
-        for phase in (["-m", "not serial", "-n", os.environ.get("HSX_TEST_WORKERS", "3"), "--dist", "loadfile"],
-                      ["-m", "serial", "-n", "3", "--dist", "load"]):
+        for phase in phases():
             subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *phase,
                             *args.pytest_args], cwd=ROOT)
     finally:

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from suite_cpu import phases
+
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = '''import json, os, time
 def pytest_runtest_logreport(report):
@@ -92,8 +94,7 @@ def main() -> None:
         sampler.start()
         started = time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                               "hsx_timeline_plugin", "-m", "not serial", "-n", str(args.workers), "--dist",
-                               "loadfile", "--no-loadscope-reorder", *args.pytest_args], cwd=ROOT, env=env)
+                               "hsx_timeline_plugin", *phases(args.workers)[0], *args.pytest_args], cwd=ROOT, env=env)
         ended = time.time()
         stop.set()
         sampler.join()

@@ -106,9 +106,13 @@ class Served:
 
 def group_alive(pgid: int) -> bool:
     """Some process of group `pgid` runs (a zombie does not count: it has ended)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    from harness.worker import proc_stat
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
-            fields = stat.read_text().rsplit(") ", 1)[1].split()
+            fields = proc_stat(int(proc.name))
         except (OSError, IndexError):
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
