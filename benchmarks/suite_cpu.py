@@ -4,7 +4,7 @@ On a 2-core machine the suite is CPU-bound, so its wall time is its CPU time ove
 processes and which tests spend it. Needs root and the kernel's process accounting (Debian's `acct`:
 `apt-get install acct`). It turns accounting on into a file of its own, puts a `sitecustomize.py` into the
 venv's site-packages for the run (each Python process records its pid, argv and `PYTEST_CURRENT_TEST` as it
-starts; removed afterwards), runs the suite's two pytest phases as `scripts/test.sh` does (no set-up, no lint),
+starts; removed afterwards), runs the suite's pytest run as `scripts/test.sh` does (no set-up, no lint),
 then joins the two: CPU seconds per kind of process (an extraction worker, the Prefect servers, the xdist
 workers, ...) and per test (a process is the test's whose temp directory its argv names, or whose
 `PYTEST_CURRENT_TEST` it inherited).
@@ -39,12 +39,11 @@ except Exception:
 SUBCOMMANDS = ("extract", "check", "fsck", "export", "stage", "make-tiny", "inspect", "--version")
 
 
-def phases(workers: int | None = None) -> tuple[list[str], list[str]]:
-    """The pytest arguments of scripts/test.sh's two phases: the parallel one (`workers` processes, default
-    HSX_TEST_WORKERS or 3; the longest files first), then the serial one."""
+def suite_args(workers: int | None = None) -> list[str]:
+    """The pytest arguments of scripts/test.sh's run: `workers` processes (default HSX_TEST_WORKERS or 3), a
+    file's tests in one process, the longest files first."""
     workers = workers or int(os.environ.get("HSX_TEST_WORKERS", "3"))
-    return (["-m", "not serial", "-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"],
-            ["-m", "serial", "-n", "3", "--dist", "load"])
+    return ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"]
 
 
 def kind_of(argv: list[str]) -> str:
@@ -137,9 +136,8 @@ def main() -> None:
     subprocess.run(["accton", str(records / "pacct")], check=True, capture_output=True)
     began = time.time()
     try:
-        for phase in phases():
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *phase,
-                            *args.pytest_args], cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suite_args(),
+                        *args.pytest_args], cwd=ROOT)
     finally:
         subprocess.run(["accton", "off"], capture_output=True)
         site.unlink()

@@ -1,10 +1,10 @@
-"""When the suite's parallel phase keeps the cores busy, and with what: a timeline in 30-second bins.
+"""When the suite's run keeps the cores busy, and with what: a timeline in 30-second bins.
 
-It runs the parallel phase as `scripts/test.sh` does (no set-up, no lint; extra pytest args after `--`), with a
+It runs the tests as `scripts/test.sh` does (no set-up, no lint; extra pytest args after `--`), with a
 small plugin on the xdist controller recording when each test's set-up, call and tear-down ended and on which
 process, while this script samples /proc/stat every 2 s. Printed: per bin, the cores busy on average (2.00 on a
 2-core machine is saturated) and the test each xdist process was running in the bin's middle; then when each
-process ran out of work. A phase busy to the end is CPU-bound (only less CPU shortens it); a tail with idle
+process ran out of work. A run busy to the end is CPU-bound (only less CPU shortens it); a tail with idle
 cores is a schedule's (the order in which files are handed out).
 
     .venv/bin/python benchmarks/suite_timeline.py [--workers 3] [-- extra pytest args]
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from suite_cpu import phases
+from suite_cpu import suite_args
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = '''import json, os, time
@@ -73,7 +73,7 @@ def report(started: float, ended: float, samples: list, events: list[dict]) -> N
         running = [next((short(i) for s, e, i in spans[w] if s <= middle <= e), "-") for w in workers]
         print(f"| {b * BIN_S} s | {sum(bins[b]) / len(bins[b]):.2f} | " + " | ".join(running) + " |")
     busy = [u for values in bins.values() for u in values]
-    print(f"\nthe phase: {ended - started:.0f} s, {sum(busy) / max(1, len(busy)):.2f} cores busy on average; "
+    print(f"\nthe run: {ended - started:.0f} s, {sum(busy) / max(1, len(busy)):.2f} cores busy on average; "
           "each process out of work at: "
           + ", ".join(f"{w} {max(e for _, e, _ in spans[w]):.0f} s" for w in workers))
 
@@ -94,7 +94,7 @@ def main() -> None:
         sampler.start()
         started = time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                               "hsx_timeline_plugin", *phases(args.workers)[0], *args.pytest_args], cwd=ROOT, env=env)
+                               "hsx_timeline_plugin", *suite_args(args.workers), *args.pytest_args], cwd=ROOT, env=env)
         ended = time.time()
         stop.set()
         sampler.join()

@@ -82,7 +82,7 @@ def s3(s3_endpoint, request):
 #: hands out whole files in collection order (`--dist loadfile --no-loadscope-reorder`): started first, the long
 #: ones overlap the many short ones instead of holding the run's end alone. A file not named keeps its place after
 #: them; a stale list only costs time.
-LONGEST_FIRST = ("test_deployment.py", "test_integrity.py", "test_fault_matrix.py", "test_s3_output.py",
+LONGEST_FIRST = ("test_deployment.py", "test_cancel.py", "test_integrity.py", "test_fault_matrix.py", "test_s3_output.py",
                  "test_launch.py", "test_flow.py", "test_ui.py", "test_cli.py", "test_export.py", "test_resume.py",
                  "test_prewarm.py", "test_flow_s3.py", "test_stage_inputs.py")
 

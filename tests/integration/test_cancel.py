@@ -24,7 +24,6 @@ from harness.inventory import write_inventory
 from harness.worker import dataset_ids, running
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.serial  # signals and stops raced against workers: not beside the parallel run's load
 FAST = dict(heartbeat_interval_s=0.5, poll_interval_s=0.3, launch_timeout_s=30, stall_timeout_s=20,
             host_timeout_s=10, token_budget=256, status_interval_s=1.0)
 
