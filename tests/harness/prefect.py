@@ -3,8 +3,28 @@ of a run, the flow runs of a run name, and the process that executes a flow run 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import time
 from pathlib import Path
+
+_session_clients: dict = {}
+
+
+@contextlib.contextmanager
+def session_client():
+    """A sync client of the session's Prefect server (tests/conftest.py's `prefect_server`), opened once per process
+    and kept open: a new client costs ~20 ms of CPU (its SSL context), and a test polling a run for minutes opens
+    hundreds. Only for that server, which outlives every test; a server a test starts and stops needs its own."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    client = _session_clients.get(url)
+    if client is None:
+        client = _session_clients[url] = get_client(sync_client=True).__enter__()
+        atexit.register(client.__exit__, None, None, None)
+    yield client
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.5, context=lambda: ""):

@@ -100,18 +100,19 @@ def logged_at(said: str, text: str, near: float) -> float:
 
 
 def flow_run_of(run: str):
-    from prefect.client.orchestration import get_client
+    from harness.prefect import session_client
 
-    with get_client(sync_client=True) as client:
+    with session_client() as client:
         runs = [r for r in client.read_flow_runs() if (r.parameters or {}).get("run_name") == run]
     return max(runs, key=lambda r: r.created)
 
 
 def task_runs(flow_run_id) -> list:
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with get_client(sync_client=True) as client:
+    from harness.prefect import session_client
+
+    with session_client() as client:
         return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 

@@ -86,9 +86,9 @@ def served(prefect_server, tiny_model, tmp_path_factory):
 
 
 def client():
-    from prefect.client.orchestration import get_client
+    from harness.prefect import session_client
 
-    return get_client(sync_client=True)
+    return session_client()
 
 
 def runs_of(run_name: str) -> list:
