@@ -81,10 +81,11 @@ def s3(s3_endpoint, request):
 #: the files that take longest (scripts/test.sh's "longest files", on 2 cores), longest first. The parallel run
 #: hands out whole files in collection order (`--dist loadfile --no-loadscope-reorder`): started first, the long
 #: ones overlap the many short ones instead of holding the run's end alone. A file not named keeps its place after
-#: them; a stale list only costs time.
-LONGEST_FIRST = ("test_deployment.py", "test_cancel.py", "test_integrity.py", "test_fault_matrix.py", "test_s3_output.py",
-                 "test_launch.py", "test_flow.py", "test_ui.py", "test_cli.py", "test_export.py", "test_resume.py",
-                 "test_prewarm.py", "test_flow_s3.py", "test_stage_inputs.py")
+#: them; a stale list only costs time. test_cancel.py is long in wall time but mostly waits on its workers' signals:
+#: early, its process's idle time falls while the others have work for both cores.
+LONGEST_FIRST = ("test_deployment.py", "test_cancel.py", "test_integrity.py", "test_fault_matrix.py",
+                 "test_s3_output.py", "test_launch.py", "test_flow.py", "test_ui.py", "test_cli.py", "test_export.py",
+                 "test_resume.py", "test_prewarm.py", "test_flow_s3.py", "test_stage_inputs.py")
 
 
 def pytest_collection_modifyitems(config, items):
