@@ -24,6 +24,7 @@ from hsextract.run.layers import dflash_layer_ids
 
 from harness import faulty
 from harness.inventory import write_inventory
+from harness.prefect import session_client as client
 from harness.worker import dataset_ids
 
 POOL = "hsextract-test"
@@ -83,12 +84,6 @@ def served(prefect_server, tiny_model, tmp_path_factory):
 
     for name in AUTOMATIONS:  # the rest of the session runs flows without them
         Automation.read(name=name).delete()
-
-
-def client():
-    from harness.prefect import session_client
-
-    return session_client()
 
 
 def runs_of(run_name: str) -> list:
